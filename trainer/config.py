@@ -1,0 +1,126 @@
+"""The typed trainer options: one dataclass documents, defaults and validates every key.
+
+`Trainer(**options)` and a recipe's `trainer:` section both go through TrainerConfig, so a key has
+one name, one default and one check, wherever it is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.errors import MisconfigurationError, closest
+from trainer.optim import LR_SCALINGS
+from trainer.precision import PRECISIONS
+
+
+def _opt(default: Any, help: str) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainerConfig:
+    """Every Trainer option, with its default and meaning."""
+
+    max_epochs: Any = _opt(None, "Stop after this many epochs; -1 for no limit; unset: 1000 unless max_steps is set.")
+    max_steps: int = _opt(-1, "Stop after this many optimizer steps; -1 for no limit.")
+    min_epochs: int = _opt(0, "Train at least this many epochs, even if a callback asks to stop.")
+    limit_train_batches: Any = _opt(1.0, "Batches per training epoch: a fraction (float) or a count (int).")
+    limit_val_batches: Any = _opt(1.0, "Batches per validation: a fraction (float) or a count (int).")
+    limit_test_batches: Any = _opt(1.0, "Batches per test run: a fraction (float) or a count (int).")
+    limit_predict_batches: Any = _opt(1.0, "Batches per predict run: a fraction (float) or a count (int).")
+    val_check_interval: Any = _opt(1.0, "Validate every this fraction of an epoch (float) or this many batches (int).")
+    check_val_every_n_epoch: int = _opt(1, "Validate after every n-th training epoch.")
+    num_sanity_val_steps: int = _opt(2, "Validation batches run before training to catch bugs early; -1 for all.")
+    accumulate_grad_batches: int = _opt(1, "Micro-batches whose gradients add up before one optimizer step.")
+    gradient_clip_val: Any = _opt(None, "Clip gradients at this value (unset: no clipping).")
+    gradient_clip_algorithm: str = _opt("norm", "'norm' (global L2 norm) or 'value' (element-wise).")
+    precision: str = _opt("32", f"One of {', '.join(PRECISIONS)}.")
+    seed: Any = _opt(None, "Seed python, numpy and torch on every rank; also seeds the data order (default order seed 0).")
+    deterministic: bool = _opt(False, "Ask torch for deterministic algorithms.")
+    default_root_dir: str = _opt("runs", "Runs land in <default_root_dir>/<name>/version_<n>/.")
+    name: str = _opt("default", "The run name: the folder under default_root_dir.")
+    logger: Any = _opt(True, "True or 'csv': CSV logger; 'tensorboard'; a list of those; False: none.")
+    log_every_n_steps: int = _opt(50, "Write step metrics to the loggers every n optimizer steps.")
+    enable_progress_bar: bool = _opt(True, "Show the rich progress bar (rank 0 only).")
+    enable_checkpointing: bool = _opt(True, "Add a ModelCheckpoint (last.ckpt each epoch) when none is given.")
+    enable_model_summary: bool = _opt(True, "Print a model summary table at fit start.")
+    fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
+    accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
+    strategy: Any = _opt("auto", "'single', 'dp', 'ddp', 'pipeline', 'ps', or {name: ..., options...}.")
+    devices: int = _opt(1, "Devices (processes for ddp) per node.")
+    num_nodes: int = _opt(1, "Number of nodes.")
+    lr_scaling: str = _opt("none", f"Scale learning rates by the data-parallel size: {', '.join(LR_SCALINGS)}.")
+    lr_warmup_steps: int = _opt(0, "Steps of linear warm-up from the base to the scaled learning rate.")
+    timeout: float = _opt(1800.0, "Seconds a collective may wait before the job fails instead of hanging.")
+    max_restarts: int = _opt(0, "Times the elastic agent restarts a failed multi-process job (resuming from the last checkpoint).")
+    inference_mode: bool = _opt(True, "Evaluate under torch.inference_mode (else no_grad).")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def resolved_max_epochs(self) -> int:
+        """max_epochs with 'unset' resolved: 1000 without max_steps, else unlimited (-1)."""
+        if self.max_epochs is None:
+            return 1000 if self.max_steps == -1 else -1
+        return int(self.max_epochs)
+
+
+def option_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainerConfig)]
+
+
+def make_config(options: dict[str, Any]) -> TrainerConfig:
+    """TrainerConfig from keyword options; an unknown key names the closest valid ones."""
+    names = option_names()
+    for key in options:
+        if key not in names:
+            raise MisconfigurationError(f"unknown trainer option {key!r}{closest(key, names)}.")
+    return TrainerConfig(**options)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise MisconfigurationError(message)
+
+
+def validate(config: TrainerConfig) -> None:
+    """Check types and ranges of every option, with messages that say what to change."""
+    for key in ("max_steps", "min_epochs", "check_val_every_n_epoch", "num_sanity_val_steps",
+                "accumulate_grad_batches", "log_every_n_steps", "devices", "num_nodes", "lr_warmup_steps", "max_restarts"):
+        value = getattr(config, key)
+        _need(_is_int(value), f"trainer option {key}={value!r} must be an integer.")
+    _need(config.max_epochs is None or (_is_int(config.max_epochs) and config.max_epochs >= -1),
+          f"max_epochs={config.max_epochs!r} must be an integer >= -1 (-1: no limit).")
+    _need(config.max_steps >= -1, f"max_steps={config.max_steps} must be >= -1 (-1: no limit).")
+    _need(config.devices >= 1, f"devices={config.devices} must be at least 1.")
+    _need(config.num_nodes >= 1, f"num_nodes={config.num_nodes} must be at least 1.")
+    _need(config.accumulate_grad_batches >= 1, f"accumulate_grad_batches={config.accumulate_grad_batches} must be at least 1.")
+    _need(config.check_val_every_n_epoch >= 1, f"check_val_every_n_epoch={config.check_val_every_n_epoch} must be at least 1.")
+    _need(config.log_every_n_steps >= 1, f"log_every_n_steps={config.log_every_n_steps} must be at least 1.")
+    _need(config.num_sanity_val_steps >= -1, f"num_sanity_val_steps={config.num_sanity_val_steps} must be >= -1.")
+    _need(config.max_restarts >= 0, f"max_restarts={config.max_restarts} must be >= 0.")
+    _need(str(config.precision) in PRECISIONS, f"precision={config.precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
+    config.precision = str(config.precision)
+    _need(config.gradient_clip_algorithm in ("norm", "value"),
+          f"gradient_clip_algorithm={config.gradient_clip_algorithm!r}; use 'norm' or 'value'.")
+    _need(config.gradient_clip_val is None or (isinstance(config.gradient_clip_val, (int, float)) and config.gradient_clip_val > 0),
+          f"gradient_clip_val={config.gradient_clip_val!r} must be a positive number or unset.")
+    _need(config.lr_scaling in LR_SCALINGS, f"lr_scaling={config.lr_scaling!r} is not known; use one of {', '.join(LR_SCALINGS)}.")
+    _need(isinstance(config.timeout, (int, float)) and config.timeout > 0, f"timeout={config.timeout!r} must be a positive number of seconds.")
+    _need(config.accelerator in ("auto", "cpu", "cuda", "gpu"), f"accelerator={config.accelerator!r}; use 'cpu', 'cuda' or 'auto'.")
+    _need(config.seed is None or _is_int(config.seed), f"seed={config.seed!r} must be an integer or unset.")
+    _need(_is_int(config.fast_dev_run) or isinstance(config.fast_dev_run, bool),
+          f"fast_dev_run={config.fast_dev_run!r} must be true/false or a number of batches.")
+    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval"):
+        value = getattr(config, key)
+        ok = (_is_int(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0)
+        _need(ok, f"{key}={value!r} must be a fraction in [0.0, 1.0] or a batch count (int >= 0).")
+    _need(config.val_check_interval != 0, "val_check_interval=0 would never validate; use a fraction in (0, 1] or a batch count.")

@@ -1,0 +1,200 @@
+"""DataModule, and how a strategy's loaders are built: sharded, seeded per epoch, resumable mid-epoch."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from trainer.errors import MisconfigurationError
+from trainer.module import AttributeDict, caller_init_args
+
+
+class DataModule:
+    """Owns the datasets and their loaders. `prepare_data` runs once per node; `setup` on every process."""
+
+    def __init__(self) -> None:
+        self._hparams = AttributeDict()
+
+    def prepare_data(self) -> None:
+        """Download or write files; runs on local rank 0 only, before any `setup`."""
+
+    def setup(self, stage: str) -> None:
+        """Build datasets for `stage` ('fit', 'validate', 'test' or 'predict') on every process."""
+
+    def teardown(self, stage: str) -> None:
+        """Release what `setup` built."""
+
+    def train_dataloader(self) -> DataLoader:
+        raise MisconfigurationError(f"{type(self).__name__} has no train_dataloader(); fit needs one.")
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader] | None:
+        return None
+
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        raise MisconfigurationError(f"{type(self).__name__} has no test_dataloader(); test needs one.")
+
+    def predict_dataloader(self) -> DataLoader | list[DataLoader]:
+        raise MisconfigurationError(f"{type(self).__name__} has no predict_dataloader(); predict needs one.")
+
+    def save_hyperparameters(self, *names: str, ignore: list[str] | str | None = None) -> None:
+        """Store the caller's __init__ arguments in `self.hparams`."""
+        frame = inspect.currentframe()
+        self._hparams.update(caller_init_args(frame.f_back if frame else None, names, ignore))
+
+    @property
+    def hparams(self) -> AttributeDict:
+        return self._hparams
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+class ShardedSampler(Sampler[int]):
+    """Rank `rank`'s share of any sampler's indices: every rank sees a disjoint slice, nothing padded.
+
+    Used for a user's own training sampler under data parallelism and for every evaluation loader,
+    where each sample must count exactly once (ranks may then see one batch more or fewer).
+    """
+
+    def __init__(self, sampler: Sampler[int] | range, num_replicas: int, rank: int) -> None:
+        self.sampler, self.num_replicas, self.rank = sampler, num_replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        for position, index in enumerate(self.sampler):
+            if position % self.num_replicas == self.rank:
+                yield index
+
+    def __len__(self) -> int:
+        total = len(self.sampler)  # type: ignore[arg-type]
+        return total // self.num_replicas + int(self.rank < total % self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+class ResumableBatchSampler(BatchSampler):
+    """A BatchSampler that can drop the first `skip` batches of its next epoch without loading them."""
+
+    def __init__(self, sampler: Sampler[int], batch_size: int, drop_last: bool) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self.skip = self.skip, 0
+        for position, batch in enumerate(super().__iter__()):
+            if position >= skip:
+                yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _loader_kwargs(loader: DataLoader, pin_memory: bool | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory if pin_memory is None else (pin_memory or loader.pin_memory),
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
+def prepare_loader(
+    loader: DataLoader,
+    *,
+    train: bool,
+    num_replicas: int = 1,
+    rank: int = 0,
+    seed: int = 0,
+    pin_memory: bool | None = None,
+) -> DataLoader:
+    """Rebuild `loader` for one rank.
+
+    Training: the order is a function of (seed, epoch) only, through a DistributedSampler even on one
+    process, so a resumed run replays the same batches; `set_epoch` and `skip` live on its batch sampler.
+    Evaluation: each rank takes a disjoint, unpadded slice, so metrics count every sample once.
+    """
+    if not isinstance(loader, DataLoader):
+        raise MisconfigurationError(f"expected a torch DataLoader, got {type(loader).__name__}.")
+    if isinstance(loader.dataset, IterableDataset):
+        if num_replicas > 1:
+            warnings.warn("an IterableDataset is not sharded by the trainer: shard it by rank yourself.", stacklevel=2)
+        return loader
+    if type(loader) is not DataLoader:
+        warnings.warn(
+            f"{type(loader).__name__} is a DataLoader subclass; it is used as is (not sharded, not resumable "
+            "mid-epoch).", stacklevel=2,
+        )
+        return loader
+    if loader.batch_size is None:
+        # A custom batch_sampler: shard its batches instead of its indices.
+        batch_sampler = ShardedSampler(loader.batch_sampler, num_replicas, rank) if num_replicas > 1 else loader.batch_sampler
+        return DataLoader(loader.dataset, batch_sampler=batch_sampler, **_loader_kwargs(loader, pin_memory))
+    user_sampler = loader.sampler
+    if train and isinstance(user_sampler, (RandomSampler, SequentialSampler)):
+        sampler: Sampler[int] = DistributedSampler(
+            loader.dataset, num_replicas=num_replicas, rank=rank,
+            shuffle=isinstance(user_sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
+        )
+    elif num_replicas > 1:
+        sampler = ShardedSampler(user_sampler, num_replicas, rank)
+    else:
+        sampler = user_sampler
+    batch_sampler_cls = ResumableBatchSampler if train else BatchSampler
+    batch_sampler = batch_sampler_cls(sampler, loader.batch_size, loader.drop_last)
+    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **_loader_kwargs(loader, pin_memory))
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Reseed the loader's order for `epoch` (as DistributedSampler.set_epoch does)."""
+    for holder in (loader.batch_sampler, loader.sampler):
+        if hasattr(holder, "set_epoch"):
+            holder.set_epoch(epoch)
+            return
+
+
+def skip_batches(loader: DataLoader, count: int) -> bool:
+    """Make the next pass over `loader` start at batch `count`; False when the loader cannot skip cheaply."""
+    if isinstance(loader.batch_sampler, ResumableBatchSampler):
+        loader.batch_sampler.skip = count
+        return True
+    return count == 0
+
+
+def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
+    """Normalise None / a loader / a list of loaders to a list, with a clear error for anything else."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, DataLoader):
+        return [loaders]
+    if isinstance(loaders, (list, tuple)) and all(isinstance(item, DataLoader) for item in loaders):
+        return list(loaders)
+    raise MisconfigurationError(f"{what} must be a DataLoader or a list of them, got {type(loaders).__name__}.")

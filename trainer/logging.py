@@ -1,0 +1,304 @@
+"""`self.log` collection (step values, epoch aggregates, cross-rank reduction) and the CSV/TensorBoard writers."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torchmetrics import Metric
+
+from trainer.errors import MisconfigurationError
+
+REDUCE_FXS = ("mean", "sum", "max", "min")
+
+
+def _batch_value(metric: Metric) -> torch.Tensor:
+    # torchmetrics keeps the value of the last forward() in a private attribute; it is the only way to
+    # log a Metric's per-batch value without computing it twice (Lightning reads the same attribute).
+    cached = getattr(metric, "_forward_cache", None)
+    return cached if cached is not None else metric.compute()
+
+
+def _to_tensor(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise MisconfigurationError(f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars.")
+        return value.detach().reshape(())
+    if isinstance(value, (int, float, bool)):
+        return torch.tensor(float(value))
+    raise MisconfigurationError(
+        f"self.log({name!r}) got {type(value).__name__}; log a number, a scalar tensor or a torchmetrics Metric."
+    )
+
+
+@dataclass
+class _Entry:
+    prog_bar: bool
+    logger: bool
+    on_step: bool
+    on_epoch: bool
+    reduce_fx: str
+    sync_dist: bool
+    metric: Metric | None = None
+    total: torch.Tensor | None = None
+    weight: float = 0.0
+    step_value: torch.Tensor | None = None
+    updated: bool = False  # logged since the last epoch aggregation
+
+
+class MetricCollector:
+    """What `self.log` writes into during one stage (fit, validate, test) of a run."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+        self._reduce = reduce
+        self._entries: dict[str, _Entry] = {}
+        self.batch_size: int = 1
+        self.in_step = True  # False inside epoch-end hooks, where defaults switch to on_epoch
+        self.stage = "train"
+
+    def log(self, name: str, value: Any, *, prog_bar: bool, logger: bool, on_step: bool | None,
+            on_epoch: bool | None, reduce_fx: str, sync_dist: bool, batch_size: int | None) -> None:
+        """Record one value; defaults follow Lightning (train steps: on_step; eval and epoch hooks: on_epoch)."""
+        if reduce_fx not in REDUCE_FXS:
+            raise MisconfigurationError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
+        step_default = self.stage == "train" and self.in_step
+        on_step = step_default if on_step is None else on_step
+        on_epoch = (not step_default) if on_epoch is None else on_epoch
+        entry = self._entries.get(name)
+        if entry is None:
+            entry = self._entries[name] = _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        entry.updated = True
+        if isinstance(value, Metric):
+            entry.metric = value
+            entry.step_value = _batch_value(value).detach() if on_step else None
+            return
+        tensor = _to_tensor(name, value)
+        if on_step:
+            entry.step_value = self._reduce(tensor, reduce_fx) if sync_dist else tensor
+        if on_epoch:
+            weight = float(batch_size or self.batch_size)
+            if entry.total is None:
+                entry.total = tensor * weight if reduce_fx == "mean" else tensor.clone()
+            elif reduce_fx == "mean":
+                entry.total = entry.total + tensor * weight
+            elif reduce_fx == "sum":
+                entry.total = entry.total + tensor
+            else:
+                entry.total = torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
+            entry.weight += weight
+
+    def _name(self, name: str, entry: _Entry, suffix: str) -> str:
+        return f"{name}_{suffix}" if entry.on_step and entry.on_epoch else name
+
+    def step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(values for loggers, values for the progress bar) of the current step."""
+        for_logger, for_bar = {}, {}
+        for name, entry in self._entries.items():
+            if entry.step_value is None:
+                continue
+            key = self._name(name, entry, "step")
+            if entry.logger:
+                for_logger[key] = entry.step_value
+            if entry.prog_bar:
+                for_bar[name] = entry.step_value
+        return for_logger, for_bar
+
+    def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Aggregate every on_epoch value (Metrics computed over the epoch, synced), then reset them."""
+        for_logger, for_bar = {}, {}
+        for name, entry in self._entries.items():
+            if not entry.on_epoch or not entry.updated:
+                continue
+            entry.updated = False
+            if entry.metric is not None:
+                value = entry.metric.compute().detach()
+                entry.metric.reset()
+            elif entry.total is not None:
+                value = self._epoch_tensor(entry)
+            else:
+                continue
+            key = self._name(name, entry, "epoch")
+            if entry.logger:
+                for_logger[key] = value
+            if entry.prog_bar:
+                for_bar[name] = value
+            entry.total, entry.weight = None, 0.0
+        return for_logger, for_bar
+
+    def _epoch_tensor(self, entry: _Entry) -> torch.Tensor:
+        assert entry.total is not None
+        if entry.reduce_fx != "mean":
+            return self._reduce(entry.total, entry.reduce_fx) if entry.sync_dist else entry.total
+        total_and_weight = torch.stack([entry.total.float(), torch.tensor(entry.weight, device=entry.total.device)])
+        if entry.sync_dist:  # a weighted mean over every rank's samples, not a mean of rank means
+            total_and_weight = self._reduce(total_and_weight, "sum")
+        return total_and_weight[0] / total_and_weight[1]
+
+    def clear_step(self) -> None:
+        for entry in self._entries.values():
+            entry.step_value = None
+
+    def reset(self) -> None:
+        for entry in self._entries.values():
+            if entry.metric is not None:
+                entry.metric.reset()
+        self._entries.clear()
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def next_version(save_dir: str | Path, name: str) -> int:
+    """The first free `version_<n>` number under `<save_dir>/<name>`."""
+    root = Path(save_dir) / name
+    taken = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    return max(taken, default=-1) + 1
+
+
+class Logger:
+    """A metrics writer. `log_dir` is `<save_dir>/<name>/version_<n>`; only rank 0 writes."""
+
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None) -> None:
+        self.save_dir = Path(save_dir)
+        self.name = name
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        if self._version is None:
+            self._version = next_version(self.save_dir, self.name)
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = value
+
+    @property
+    def log_dir(self) -> Path:
+        return self.save_dir / self.name / f"version_{self.version}"
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None: ...
+    def save(self) -> None: ...
+    def finalize(self) -> None:
+        self.save()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._version = state["version"]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CSVLogger(Logger):
+    """metrics.csv (one row per logging step, one column per metric) and hparams.yaml in the version folder."""
+
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None,
+                 flush_every_n_rows: int = 100) -> None:
+        super().__init__(save_dir, name, version)
+        self.flush_every_n_rows = flush_every_n_rows
+        self.rows: list[dict[str, Any]] = []
+        self._columns: list[str] = []
+        self._written = 0  # rows already on disk under the current header
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.log_dir / "metrics.csv"
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.rows.append({"step": step, **metrics})
+        if len(self.rows) - self._written >= self.flush_every_n_rows:
+            self.save()
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        plain = {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
+                 for k, v in params.items()}
+        _atomic_write_text(self.log_dir / "hparams.yaml", OmegaConf.to_yaml(OmegaConf.create(plain)))
+
+    def save(self) -> None:
+        if self._written == len(self.rows) and self.metrics_path.exists():
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        columns = list(self._columns)
+        for row in self.rows[self._written:]:
+            columns.extend(k for k in row if k not in columns)
+        if columns != self._columns or not self.metrics_path.exists():
+            # A new metric name widens the header: rewrite the whole file (atomically).
+            buffer = io.StringIO()
+            writer = csv.DictWriter(buffer, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+            _atomic_write_text(self.metrics_path, buffer.getvalue())
+            self._columns = columns
+        else:
+            with open(self.metrics_path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=columns).writerows(self.rows[self._written:])
+        self._written = len(self.rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume in the same folder, keeping exactly the rows logged before the checkpoint."""
+        super().load_state_dict(state)
+        self.rows = []
+        if self.metrics_path.exists():
+            with open(self.metrics_path, newline="") as f:
+                for row in csv.DictReader(f):
+                    self.rows.append({k: (float(v) if k != "step" else int(float(v))) for k, v in row.items() if v != ""})
+        self.rows = self.rows[: state.get("rows", len(self.rows))]
+        self._columns, self._written = [], 0  # forces a rewrite that drops rows logged after the checkpoint
+
+
+class TensorBoardLogger(Logger):
+    """Event files for TensorBoard, through torch's SummaryWriter (needs the tensorboard package)."""
+
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None) -> None:
+        super().__init__(save_dir, name, version)
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as err:
+            raise MisconfigurationError("TensorBoardLogger needs tensorboard: pip install 'trainer[tensorboard]'.") from err
+        self._writer = None
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self.writer.add_text("hparams", OmegaConf.to_yaml(OmegaConf.create({k: repr(v) for k, v in params.items()})))
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_writer"] = None  # SummaryWriter holds a thread and a file: re-open in the worker
+        return state

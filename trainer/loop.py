@@ -1,0 +1,245 @@
+"""The fit, evaluation and predict loops: read top to bottom, with strategy calls where devices matter."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainer.data import set_epoch, skip_batches
+from trainer.errors import MisconfigurationError
+from trainer.optim import step_scheduler
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+
+@dataclass
+class Progress:
+    """Where a fit stands; saved in every checkpoint so a resume continues at the same batch."""
+
+    epoch: int = 0
+    global_step: int = 0  # optimizer steps taken
+    epoch_batches: int = 0  # batches consumed in the current epoch
+    epoch_done: bool = False  # the current epoch's batches are all consumed
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.epoch_batches, self.epoch_done = int(state["epoch_batches"]), bool(state["epoch_done"])
+        if self.epoch_done:  # the checkpoint was taken after the epoch's last batch: start the next one
+            self.epoch, self.epoch_batches, self.epoch_done = self.epoch + 1, 0, False
+
+
+def batch_limit(loader: DataLoader, limit: int | float) -> int:
+    """How many batches of `loader` a stage runs: a count, or a fraction of its length."""
+    try:
+        length = len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        length = math.inf
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return int(min(limit, length))
+    return int(length * limit) if length != math.inf else (int(length) if limit == 1.0 else 0)
+
+
+def batch_size_of(batch: Any) -> int:
+    """The leading dimension of the first tensor in a batch (the weight of its logged means)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size:
+                return size
+    return 1
+
+
+# --------------------------------------------------------------------------- fit
+
+
+def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataLoader]) -> None:
+    """Epochs of training with validation at the configured points."""
+    config, progress, module = trainer.config, trainer.progress, trainer.module
+    num_batches = batch_limit(train_loader, config.limit_train_batches)
+    if num_batches == 0:
+        raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
+    trainer.num_training_batches = num_batches
+    val_every = _val_every(config.val_check_interval, num_batches)
+
+    if config.num_sanity_val_steps and val_loaders and progress.global_step == 0:
+        trainer.sanity_checking = True
+        trainer.call("on_sanity_check_start")
+        evaluation_loop(trainer, "validate", val_loaders, limit=config.num_sanity_val_steps if config.num_sanity_val_steps > 0 else 1.0)
+        trainer.call("on_sanity_check_end")
+        trainer.sanity_checking = False
+
+    trainer.call("on_train_start")
+    max_epochs = config.resolved_max_epochs()
+    while not _done(trainer, max_epochs):
+        module.train()
+        set_epoch(train_loader, progress.epoch)
+        if not skip_batches(train_loader, progress.epoch_batches):
+            raise MisconfigurationError("this dataloader cannot resume mid-epoch; checkpoint at epoch ends instead.")
+        trainer.metrics.stage, trainer.metrics.in_step = "train", True
+        trainer.call("on_train_epoch_start")
+        for batch_idx, batch in enumerate(train_loader, start=progress.epoch_batches):
+            if batch_idx >= num_batches:
+                break
+            _train_batch(trainer, batch, batch_idx, num_batches)
+            if (batch_idx + 1) % val_every == 0 and (batch_idx + 1) < num_batches:
+                _validate_if_due(trainer, val_loaders)
+            if trainer.should_stop and progress.epoch + 1 >= config.min_epochs or _steps_done(trainer):
+                break
+        else:
+            if progress.epoch_batches == 0:
+                raise MisconfigurationError("the training dataloader yielded no batches in this epoch.")
+        progress.epoch_done = progress.epoch_batches >= num_batches
+        if progress.epoch_done or _steps_done(trainer):
+            _validate_if_due(trainer, val_loaders)
+        trainer.metrics.in_step = False
+        trainer.call("on_train_epoch_end")
+        trainer.publish_epoch_metrics()
+        for config_ in trainer.lr_scheduler_configs:
+            if config_.interval == "epoch" and (progress.epoch + 1) % config_.frequency == 0:
+                step_scheduler(config_, trainer.callback_metrics)
+        if not progress.epoch_done:
+            break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
+        progress.epoch, progress.epoch_batches, progress.epoch_done = progress.epoch + 1, 0, False
+    trainer.call("on_train_end")
+
+
+def _val_every(interval: int | float, num_batches: int) -> int:
+    if isinstance(interval, float):
+        return max(1, int(num_batches * interval))
+    return max(1, interval)
+
+
+def _steps_done(trainer: Trainer) -> bool:
+    return trainer.config.max_steps != -1 and trainer.progress.global_step >= trainer.config.max_steps
+
+
+def _done(trainer: Trainer, max_epochs: int) -> bool:
+    progress, config = trainer.progress, trainer.config
+    if _steps_done(trainer) or (max_epochs != -1 and progress.epoch >= max_epochs):
+        return True
+    return trainer.should_stop and progress.epoch >= config.min_epochs
+
+
+def _train_batch(trainer: Trainer, batch: Any, batch_idx: int, num_batches: int) -> None:
+    """One micro-batch; every accumulate_grad_batches (and at the epoch's end) an optimizer step."""
+    strategy, module, config, progress = trainer.strategy, trainer.module, trainer.config, trainer.progress
+    batch = strategy.batch_to_device(batch)
+    trainer.metrics.batch_size = batch_size_of(batch)
+    if trainer.call("on_train_batch_start", batch, batch_idx) == -1:
+        trainer.should_stop = True  # Lightning's convention: -1 ends the epoch
+        return
+    if not module.automatic_optimization:
+        outputs = strategy.training_step(batch, batch_idx)
+        progress.global_step += 1
+    else:
+        accumulate = config.accumulate_grad_batches
+        # The epoch's tail may hold fewer than `accumulate` micro-batches; step on it anyway.
+        stepping = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == num_batches
+        # Gradients only need to be synchronised on the micro-batch that steps.
+        with strategy.no_backward_sync(skip=not stepping):
+            outputs = strategy.forward_backward(
+                batch, batch_idx, loss_scale=1.0 / accumulate,
+                before_backward=lambda loss: trainer.call("on_before_backward", loss),
+            )
+        trainer.call("on_after_backward")
+        if stepping:
+            _optimizer_step(trainer)
+    progress.epoch_batches = batch_idx + 1
+    trainer.publish_step_metrics()
+    trainer.call("on_train_batch_end", outputs, batch, batch_idx)
+
+
+def _optimizer_step(trainer: Trainer) -> None:
+    strategy, config, progress = trainer.strategy, trainer.config, trainer.progress
+    for optimizer in trainer.optimizers:
+        trainer.call("on_before_optimizer_step", optimizer)
+        if config.gradient_clip_val:
+            strategy.clip_gradients(optimizer, float(config.gradient_clip_val), config.gradient_clip_algorithm)
+        with trainer.lr_scaler.warmup(optimizer, progress.global_step):
+            strategy.optimizer_step(optimizer)
+        trainer.call("on_before_zero_grad", optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    progress.global_step += 1
+    for scheduler in trainer.lr_scheduler_configs:
+        if scheduler.interval == "step" and progress.global_step % scheduler.frequency == 0:
+            step_scheduler(scheduler, trainer.callback_metrics)
+
+
+def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
+    config = trainer.config
+    if not val_loaders or (trainer.progress.epoch + 1) % config.check_val_every_n_epoch != 0:
+        return
+    evaluation_loop(trainer, "validate", val_loaders, limit=config.limit_val_batches)
+    trainer.module.train()
+    trainer.metrics.stage, trainer.metrics.in_step = "train", True
+
+
+# --------------------------------------------------------------------------- validate / test
+
+
+def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], limit: int | float) -> dict[str, float]:
+    """Forward-only passes over `loaders`; returns the epoch metrics logged ('validate' or 'test')."""
+    hook = "validation" if stage == "validate" else "test"
+    step_name = f"{hook}_step"
+    strategy, module = trainer.strategy, trainer.module
+    saved_stage = trainer.metrics.stage
+    trainer.metrics.stage, trainer.metrics.in_step = hook, True
+    module.eval()
+    trainer.call(f"on_{hook}_start")
+    trainer.call(f"on_{hook}_epoch_start")
+    grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
+    with grad_mode:
+        for dataloader_idx, loader in enumerate(loaders):
+            num_batches = batch_limit(loader, limit)
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= num_batches:
+                    break
+                batch = strategy.batch_to_device(batch)
+                trainer.metrics.batch_size = batch_size_of(batch)
+                trainer.call(f"on_{hook}_batch_start", batch, batch_idx, dataloader_idx)
+                outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx)
+                trainer.call(f"on_{hook}_batch_end", outputs, batch, batch_idx, dataloader_idx)
+    trainer.metrics.in_step = False
+    trainer.call(f"on_{hook}_epoch_end")
+    results = trainer.publish_epoch_metrics(log=not trainer.sanity_checking)
+    trainer.call(f"on_{hook}_end")
+    trainer.metrics.stage = saved_stage
+    return results
+
+
+def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float) -> list[list[Any]]:
+    """predict_step over every batch; one list of outputs per loader (this rank's share)."""
+    strategy, module = trainer.strategy, trainer.module
+    module.eval()
+    trainer.call("on_predict_start")
+    trainer.call("on_predict_epoch_start")
+    results: list[list[Any]] = []
+    grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
+    with grad_mode:
+        for dataloader_idx, loader in enumerate(loaders):
+            outputs: list[Any] = []
+            num_batches = batch_limit(loader, limit)
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= num_batches:
+                    break
+                batch = strategy.batch_to_device(batch)
+                trainer.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
+                output = strategy.eval_step("predict_step", batch, batch_idx, dataloader_idx)
+                trainer.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)
+                outputs.append(output)
+            results.append(outputs)
+    trainer.call("on_predict_epoch_end")
+    trainer.call("on_predict_end")
+    return results

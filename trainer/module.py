@@ -1,0 +1,236 @@
+"""TrainModule: the user's model plus the hooks the loop calls, Lightning-compatible by name."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from trainer.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+
+class AttributeDict(dict):
+    """A dict whose keys read as attributes: `self.hparams.lr`."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as err:
+            raise AttributeError(f"hparams has no {key!r}; it holds {sorted(self)}") from err
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+def caller_init_args(frame: Any, names: tuple[str, ...] = (), ignore: list[str] | str | None = None) -> dict[str, Any]:
+    """The arguments the __init__ running in `frame` was called with (what save_hyperparameters keeps)."""
+    if frame is None:
+        return {}
+    args = inspect.getargvalues(frame)
+    values = {name: args.locals[name] for name in args.args if name != "self"}
+    if args.keywords:
+        values.update(args.locals[args.keywords])
+    ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+    return {k: v for k, v in values.items() if k not in ignored and k != "__class__" and (not names or k in names)}
+
+
+class TrainModule(nn.Module):
+    """Subclass this: define training_step and configure_optimizers; the other hooks are optional.
+
+    Hook names, `self.log`, `self.hparams`, manual optimization and `load_from_checkpoint` follow
+    LightningModule, so a LightningModule ports by changing its import and base class.
+    """
+
+    #: Set to False to call `self.optimizers()`, `self.manual_backward()` and `opt.step()` yourself.
+    automatic_optimization: bool = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Trainer | None = None
+        self._hparams = AttributeDict()
+
+    # ----------------------------------------------------------------- the steps
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Return the loss (a scalar tensor) or a dict with key 'loss'."""
+        raise MisconfigurationError(f"{type(self).__name__} must define training_step(self, batch, batch_idx).")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute and `self.log` validation metrics for one batch."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute and `self.log` test metrics for one batch."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """Return predictions for one batch; the default calls the module on the batch."""
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """Return an optimizer, (optimizer, scheduler), lists of them, or a Lightning-style dict."""
+        raise MisconfigurationError(
+            f"{type(self).__name__} has no configure_optimizers(); define it to return an optimizer, "
+            "e.g. `return torch.optim.Adam(self.parameters(), lr=1e-3)`."
+        )
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        """Loss of the last pipeline stage's output against the batch's target (pipeline strategy)."""
+        raise MisconfigurationError(
+            f"strategy='pipeline' computes the loss on the last stage, so {type(self).__name__} must define "
+            "pipeline_loss(self, output, batch) -> loss (and pipeline_input(self, batch) if the input is "
+            "not batch[0])."
+        )
+
+    def pipeline_input(self, batch: Any) -> torch.Tensor:
+        """What the first pipeline stage consumes; by default the first element of the batch."""
+        return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+    # ----------------------------------------------------------------- hooks (all optional)
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+
+    # ----------------------------------------------------------------- logging
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        """Record a scalar or torchmetrics Metric; the trainer aggregates, reduces and writes it."""
+        if self._trainer is None or self._trainer.metrics is None:
+            return  # called outside fit/validate/test: nothing collects, as in Lightning
+        self._trainer.metrics.log(
+            name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+            reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size,
+        )
+
+    def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
+        """`self.log` for each item."""
+        for name, value in values.items():
+            self.log(name, value, **kwargs)
+
+    # ----------------------------------------------------------------- hparams
+    def save_hyperparameters(self, *names: str, ignore: list[str] | str | None = None) -> None:
+        """Store the caller's __init__ arguments in `self.hparams` (and in every checkpoint)."""
+        frame = inspect.currentframe()
+        self._hparams.update(caller_init_args(frame.f_back if frame else None, names, ignore))
+
+    @property
+    def hparams(self) -> AttributeDict:
+        """The saved hyperparameters."""
+        return self._hparams
+
+    # ----------------------------------------------------------------- what the trainer tells the module
+    @property
+    def trainer(self) -> Trainer:
+        """The Trainer running this module."""
+        if self._trainer is None:
+            raise MisconfigurationError(f"{type(self).__name__} is not attached to a Trainer yet.")
+        return self._trainer
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the module's parameters (cpu when it has none)."""
+        for tensor in self.parameters():
+            return tensor.device
+        for tensor in self.buffers():
+            return tensor.device
+        return torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole job (0 without a trainer)."""
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    # ----------------------------------------------------------------- manual optimization
+    def optimizers(self) -> Any:
+        """The optimizer (or list of them) configure_optimizers returned."""
+        opts = self.trainer.optimizers
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler (or list of them) configure_optimizers returned, or None."""
+        scheds = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        if not scheds:
+            return None
+        return scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """Backward through the strategy (grad scaling, DDP hooks) under manual optimization."""
+        self.trainer.strategy.backward(loss)
+
+    # ----------------------------------------------------------------- checkpoints
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: str | Path, map_location: Any = "cpu", strict: bool = True, **hparam_overrides: Any
+    ) -> TrainModule:
+        """Build the module from the checkpoint's hparams (overridable) and load its weights."""
+        from trainer.checkpoint import load_checkpoint_file
+
+        checkpoint = load_checkpoint_file(checkpoint_path, map_location=map_location)
+        hparams = {**checkpoint.get("hparams", {}), **hparam_overrides}
+        module = cls(**hparams)
+        module.on_load_checkpoint(checkpoint)
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        return module
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The trainer travels separately to spawned workers; never pickle it inside the module.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["_trainer"] = None
+        return state

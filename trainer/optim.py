@@ -1,0 +1,141 @@
+"""What configure_optimizers may return, and learning-rate scaling by the number of data-parallel workers."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from trainer.errors import MisconfigurationError
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+@dataclass
+class SchedulerConfig:
+    """A scheduler and when it steps (Lightning's lr_scheduler dict)."""
+
+    scheduler: LRScheduler | ReduceLROnPlateau
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+    strict: bool = True
+    name: str | None = None
+
+
+def _scheduler_config(item: Any) -> SchedulerConfig:
+    if isinstance(item, Mapping):
+        unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+        if "scheduler" not in item or unknown:
+            raise MisconfigurationError(
+                f"an lr_scheduler dict needs 'scheduler' and may hold interval, frequency, monitor, strict, name; got {sorted(item)}."
+            )
+        config = SchedulerConfig(**item)
+    else:
+        config = SchedulerConfig(item)
+    if not isinstance(config.scheduler, (LRScheduler, ReduceLROnPlateau)):
+        raise MisconfigurationError(f"expected an LR scheduler, got {type(config.scheduler).__name__}.")
+    if config.interval not in ("step", "epoch"):
+        raise MisconfigurationError(f"lr_scheduler interval={config.interval!r}; use 'step' or 'epoch'.")
+    if isinstance(config.scheduler, ReduceLROnPlateau) and config.monitor is None:
+        raise MisconfigurationError("ReduceLROnPlateau needs a 'monitor' key naming a logged metric.")
+    return config
+
+
+def parse_optimizers(output: Any) -> tuple[list[Optimizer], list[SchedulerConfig]]:
+    """Normalise configure_optimizers' return: an optimizer, (opt, sched), ([opts], [scheds]), dict(s)."""
+    if isinstance(output, Optimizer):
+        return [output], []
+    if isinstance(output, Mapping):
+        output = [output]
+    if isinstance(output, (list, tuple)):
+        if all(isinstance(item, Mapping) for item in output) and output:
+            optimizers = [item["optimizer"] for item in output]
+            schedulers = [_scheduler_config(item["lr_scheduler"]) for item in output if item.get("lr_scheduler")]
+            return _checked(optimizers), schedulers
+        if len(output) == 2 and isinstance(output[0], (list, tuple)):
+            return _checked(list(output[0])), [_scheduler_config(s) for s in output[1]]
+        if len(output) == 2 and isinstance(output[0], Optimizer) and not isinstance(output[1], Optimizer):
+            return [output[0]], [_scheduler_config(output[1])]
+        return _checked(list(output)), []
+    raise MisconfigurationError(
+        f"configure_optimizers returned {type(output).__name__}; return an optimizer, (optimizer, scheduler), "
+        "or a dict {'optimizer': ..., 'lr_scheduler': ...}."
+    )
+
+
+def _checked(optimizers: list[Any]) -> list[Optimizer]:
+    for opt in optimizers:
+        if not isinstance(opt, Optimizer):
+            raise MisconfigurationError(f"configure_optimizers returned a {type(opt).__name__} where an optimizer belongs.")
+    if not optimizers:
+        raise MisconfigurationError("configure_optimizers returned no optimizer.")
+    return optimizers
+
+
+class LRScaler:
+    """Scale learning rates by the data-parallel world size, reaching the scaled rate by linear warm-up.
+
+    factor = N (linear, Goyal et al. 2017) or sqrt(N), N = data-parallel size * accumulate_grad_batches.
+    During warm-up step t < W the rate is base * (1 + (factor - 1) * t / W), applied around each step so
+    schedulers keep seeing (and decaying) the scaled rate.
+    """
+
+    def __init__(self, mode: str, workers: int, warmup_steps: int) -> None:
+        if mode not in LR_SCALINGS:
+            raise MisconfigurationError(f"lr_scaling={mode!r} is not known; use one of {', '.join(LR_SCALINGS)}.")
+        self.factor = {"none": 1.0, "linear": float(workers), "sqrt": math.sqrt(workers)}[mode]
+        self.warmup_steps = warmup_steps
+
+    def apply(self, optimizers: list[Optimizer], schedulers: list[SchedulerConfig]) -> None:
+        """Multiply every group's rate (and the schedulers' base rates) by the factor, once."""
+        if self.factor == 1.0:
+            return
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= self.factor
+                if "initial_lr" in group:
+                    group["initial_lr"] *= self.factor
+        for config in schedulers:
+            if hasattr(config.scheduler, "base_lrs"):
+                config.scheduler.base_lrs = [lr * self.factor for lr in config.scheduler.base_lrs]
+
+    @contextlib.contextmanager
+    def warmup(self, optimizer: Optimizer, step: int) -> Iterator[None]:
+        """Lower the rate for this step while warming up; restore it afterwards."""
+        if self.factor == 1.0 or step >= self.warmup_steps:
+            yield
+            return
+        ratio = (1.0 + (self.factor - 1.0) * step / self.warmup_steps) / self.factor
+        for group in optimizer.param_groups:
+            group["lr"] *= ratio
+        try:
+            yield
+        finally:
+            for group in optimizer.param_groups:
+                group["lr"] /= ratio
+
+
+def current_lrs(optimizers: list[Optimizer]) -> dict[str, float]:
+    """'lr-<optimizer index>-<group index>' -> the rate in force."""
+    return {f"lr-{i}-{j}": float(group["lr"]) for i, opt in enumerate(optimizers) for j, group in enumerate(opt.param_groups)}
+
+
+def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor]) -> None:
+    """Step one scheduler; ReduceLROnPlateau reads its monitored metric."""
+    if isinstance(config.scheduler, ReduceLROnPlateau):
+        if config.monitor not in metrics:
+            if config.strict:
+                raise MisconfigurationError(
+                    f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; logged: {sorted(metrics)}."
+                )
+            return
+        config.scheduler.step(float(metrics[config.monitor]))
+    else:
+        config.scheduler.step()

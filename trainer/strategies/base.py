@@ -1,0 +1,258 @@
+"""The Strategy contract: everything about devices and processes, so the loop never asks which one runs.
+
+Single-process strategies implement the collectives as honest no-ops (`barrier` does nothing,
+`broadcast` returns its argument), so the loop has no branches on the strategy. A new strategy is one
+file that subclasses Strategy plus one line in strategies/__init__.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainer.checkpoint import load_checkpoint_file, save_checkpoint_file, strip_prefixes
+from trainer.data import prepare_loader
+from trainer.environment import ClusterEnvironment
+from trainer.errors import MisconfigurationError
+from trainer.precision import Precision
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; an unavailable choice is a clear error."""
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator not in ("cpu", "cuda", "gpu"):
+        raise MisconfigurationError(f"accelerator={accelerator!r} is not known; use 'cpu', 'cuda' or 'auto'.")
+    if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise MisconfigurationError(f"accelerator={accelerator!r} but no CUDA device is visible; use 'cpu' or 'auto'.")
+    return "cuda" if accelerator == "gpu" else accelerator
+
+
+class StepDispatcher(nn.Module):
+    """Routes `wrapper(name, *args)` to `module.<name>(*args)` so a wrapper's forward hooks
+    (DDP's gradient-sync preparation, DataParallel's scatter/gather) fire around the user's steps."""
+
+    def __init__(self, module: TrainModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, step_name: str, *args: Any) -> Any:
+        return getattr(self.module, step_name)(*args)
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested) batch to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)({k: move_to_device(v, device, non_blocking) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+class Strategy:
+    """Where the work runs: the process world, the wrapped model, loaders, collectives, checkpoint IO."""
+
+    #: The registry name (`Trainer(strategy=name)`).
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.accelerator = "cpu"
+        self.devices = 1
+        self.num_nodes = 1
+        self.precision = Precision()
+        self.environment = ClusterEnvironment(name="local")
+        self.root_device = torch.device("cpu")
+        self.module: TrainModule | None = None  # the user's module, unwrapped
+        self.model: nn.Module | None = None  # what the steps run through (a wrapper or the module)
+
+    # ------------------------------------------------------------------ the world
+    def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
+        """Take the Trainer's resource options; validate them before any process starts."""
+        self.accelerator = resolve_accelerator(accelerator)
+        if devices < 1 or num_nodes < 1:
+            raise MisconfigurationError(f"devices={devices} and num_nodes={num_nodes} must both be at least 1.")
+        self.devices, self.num_nodes = devices, num_nodes
+        self.precision = Precision(precision, self.accelerator)
+
+    def processes_per_node(self) -> int:
+        """How many processes each node runs; more than one job-wide means the launcher must start them."""
+        return 1
+
+    @property
+    def job_size(self) -> int:
+        return self.processes_per_node() * self.num_nodes
+
+    def setup_environment(self, environment: ClusterEnvironment) -> None:
+        """Join the job (process group), pick this process's device."""
+        self.environment = environment
+        if self.accelerator == "cuda":
+            self.root_device = torch.device("cuda", environment.local_rank)
+            torch.cuda.set_device(self.root_device)
+        else:
+            self.root_device = torch.device("cpu")
+
+    def teardown(self) -> None:
+        """Release wrappers and the process group; must leave no thread or group behind."""
+        self.model = self.module
+
+    @property
+    def global_rank(self) -> int:
+        return self.environment.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.environment.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.environment.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many replicas see different data (sampler shards, LR scaling)."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    # ------------------------------------------------------------------ the model
+    def setup_module(self, module: TrainModule) -> None:
+        """Move the module to this process's device and wrap it for training."""
+        self.module = module.to(self.root_device)
+        self.model = self.module
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        """A hook for strategies that own the optimizer (a parameter server); returns the optimizers to use."""
+        return optimizers
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Run the user's training_step under autocast (through the wrapper, if any)."""
+        with self.precision.autocast():
+            return self.module.training_step(batch, batch_idx)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward with the precision's scaling."""
+        self.precision.backward(loss)
+
+    def forward_backward(
+        self, batch: Any, batch_idx: int, loss_scale: float, before_backward: Callable[[torch.Tensor], None]
+    ) -> Any:
+        """One automatic-optimization micro-step: training_step, then backward of loss * loss_scale.
+
+        Returns training_step's output (its loss unscaled). A pipeline overrides this: its schedule does both.
+        """
+        output = self.training_step(batch, batch_idx)
+        loss = step_loss(output)
+        before_backward(loss)
+        self.backward(loss * loss_scale if loss_scale != 1.0 else loss)
+        return output
+
+    def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """validation_step / test_step / predict_step under autocast, forward only."""
+        args = (batch, batch_idx) if dataloader_idx == 0 else (batch, batch_idx, dataloader_idx)
+        with self.precision.autocast():
+            return getattr(self.module, step_name)(*args)
+
+    def no_backward_sync(self, skip: bool) -> contextlib.AbstractContextManager:
+        """A context that skips gradient synchronisation when `skip` (accumulating micro-batches)."""
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
+        """Clip this optimizer's gradients by global norm or by value (after unscaling)."""
+        self.precision.unscale(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(params, value)
+        else:
+            torch.nn.utils.clip_grad_value_(params, value)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the gradients (a parameter server pushes them instead)."""
+        self.precision.step(optimizer)
+
+    # ------------------------------------------------------------------ data
+    def prepare_loader(self, loader: DataLoader, train: bool, seed: int) -> DataLoader:
+        """This rank's view of `loader`: sharded over the data-parallel ranks, pinned for CUDA."""
+        return prepare_loader(
+            loader, train=train, num_replicas=self.data_parallel_size, rank=self.data_parallel_rank, seed=seed,
+            pin_memory=True if self.root_device.type == "cuda" else None,
+        )
+
+    def batch_to_device(self, batch: Any) -> Any:
+        return move_to_device(batch, self.root_device, non_blocking=self.root_device.type == "cuda")
+
+    # ------------------------------------------------------------------ collectives (no-ops on one process)
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce across all ranks with 'mean', 'sum', 'max' or 'min'."""
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank."""
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """`obj` from rank `src`, on every rank."""
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, ordered by rank."""
+        return [obj]
+
+    # ------------------------------------------------------------------ checkpoints
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model under plain keys (gathered when it is split), identical across strategies."""
+        assert self.module is not None
+        return strip_prefixes(self.module.state_dict())
+
+    def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        assert self.module is not None
+        self.module.load_state_dict(state_dict, strict=strict)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
+        """Rank 0 writes, atomically; everyone waits so no rank reads a half-written file."""
+        if self.is_global_zero:
+            save_checkpoint_file(checkpoint, path)
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Read a checkpoint onto this process's device."""
+        return load_checkpoint_file(path, map_location=self.root_device)
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        if self.is_global_zero:
+            Path(path).unlink(missing_ok=True)
+
+
+def step_loss(output: Any) -> torch.Tensor:
+    """The loss in what training_step returned (a tensor, or a dict with 'loss')."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        got = "None (nothing)" if output is None else type(output).__name__
+        raise MisconfigurationError(
+            f"training_step returned {got}; under automatic optimization it must return the loss tensor "
+            "or a dict with key 'loss' (or set `automatic_optimization = False`)."
+        )
+    return loss

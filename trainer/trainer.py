@@ -1,0 +1,483 @@
+"""Trainer: options, the fit/validate/test/predict entry points, and the state callbacks may read."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from callbacks.base import Callback
+from trainer import launcher
+from trainer.checkpoint import CHECKPOINT_VERSION
+from trainer.config import TrainerConfig, make_config
+from trainer.data import DataModule, as_loader_list
+from trainer.environment import detect_environment
+from trainer.errors import CheckpointError, MisconfigurationError
+from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogger, next_version
+from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
+from trainer.module import TrainModule
+from trainer.optim import LRScaler, SchedulerConfig, parse_optimizers
+from trainer.rng import rng_state, seed_everything, set_rng_state
+from trainer.strategies import Strategy, build_strategy
+
+STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+class Trainer:
+    """Runs a TrainModule: `Trainer(max_epochs=5, strategy="ddp", devices=2).fit(module, datamodule=dm)`.
+
+    Every keyword option is a field of TrainerConfig (see `trainer config` or the README table);
+    `callbacks` takes Callback instances and `logger` may also be Logger instances.
+    """
+
+    def __init__(self, *, callbacks: list[Callback] | None = None, **options: Any) -> None:
+        self.config: TrainerConfig = make_config(options)
+        self._apply_fast_dev_run()
+        # Validated here, in the calling process, before any worker starts.
+        self.strategy: Strategy = build_strategy(self.config.strategy)
+        self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
+        self.loggers: list[Logger] = self._build_loggers(self.config.logger)
+        self.callbacks: list[Callback] = self._with_default_callbacks(list(callbacks or []))
+        self.progress = Progress()
+        self.module: TrainModule | None = None
+        self.datamodule: DataModule | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        self.lr_scaler = LRScaler("none", 1, 0)
+        self.metrics: MetricCollector | None = None
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        self.should_stop = False
+        self.sanity_checking = False
+        self.stage: str | None = None
+        self.num_training_batches = 0
+        self._last_logged_step = -1
+
+    # ------------------------------------------------------------------ construction helpers
+    def _apply_fast_dev_run(self) -> None:
+        runs = int(self.config.fast_dev_run)
+        if not runs:
+            return
+        self.config = dataclasses.replace(
+            self.config, max_epochs=1, max_steps=-1, limit_train_batches=runs, limit_val_batches=runs,
+            limit_test_batches=runs, limit_predict_batches=runs, num_sanity_val_steps=0, val_check_interval=1.0,
+            enable_checkpointing=False, logger=False,
+        )
+
+    def _build_loggers(self, spec: Any) -> list[Logger]:
+        if self.config.fast_dev_run or spec is False or spec is None:
+            return []
+        items = spec if isinstance(spec, (list, tuple)) else [spec]
+        root, name = self.config.default_root_dir, self.config.name
+        loggers: list[Logger] = []
+        for item in items:
+            if isinstance(item, Logger):
+                loggers.append(item)
+            elif item is True or item == "csv":
+                loggers.append(CSVLogger(root, name))
+            elif item == "tensorboard":
+                loggers.append(TensorBoardLogger(root, name))
+            else:
+                raise MisconfigurationError(f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
+        return loggers
+
+    def _with_default_callbacks(self, callbacks: list[Callback]) -> list[Callback]:
+        from callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
+
+        for callback in callbacks:
+            if not isinstance(callback, Callback):
+                raise MisconfigurationError(f"callbacks must be Callback instances; got {type(callback).__name__}.")
+        kinds = {type(c) for c in callbacks}
+        if self.config.enable_progress_bar and not any(issubclass(k, RichProgressBar) for k in kinds):
+            callbacks.append(RichProgressBar())
+        if self.config.enable_model_summary and not any(issubclass(k, ModelSummary) for k in kinds):
+            callbacks.append(ModelSummary())
+        if self.config.enable_checkpointing and not any(issubclass(k, ModelCheckpoint) for k in kinds):
+            callbacks.append(ModelCheckpoint(save_last=True))
+        # Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters).
+        return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def current_epoch(self) -> int:
+        return self.progress.epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.progress.global_step
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def max_epochs(self) -> int:
+        return self.config.resolved_max_epochs()
+
+    @property
+    def max_steps(self) -> int:
+        return self.config.max_steps
+
+    @property
+    def logger(self) -> Logger | None:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> Path:
+        """This run's folder: `<default_root_dir>/<name>/version_<n>`."""
+        if self.loggers:
+            return self.loggers[0].log_dir
+        return Path(self.config.default_root_dir) / self.config.name / f"version_{self._run_version()}"
+
+    def _run_version(self) -> int:
+        if getattr(self, "_version", None) is None:
+            self._version = next_version(self.config.default_root_dir, self.config.name)
+        return self._version
+
+    @property
+    def checkpoint_callbacks(self) -> list[Callback]:
+        from callbacks import ModelCheckpoint
+
+        return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
+
+    # ------------------------------------------------------------------ hooks and metrics
+    def call(self, hook: str, *args: Any) -> Any:
+        """Fire `hook` on every callback, then on the module (where it has one); return the module's answer."""
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, self.module, *args)
+        module_hook = getattr(self.module, hook, None)
+        return module_hook(*args) if module_hook is not None else None
+
+    def publish_step_metrics(self) -> None:
+        """Make this step's logged values visible to callbacks and the bar; write them every n steps."""
+        assert self.metrics is not None
+        for_logger, for_bar = self.metrics.step_values()
+        self.metrics.clear_step()
+        self.callback_metrics.update(for_logger)
+        self.progress_bar_metrics.update(for_bar)
+        step = self.progress.global_step
+        if for_logger and step % self.config.log_every_n_steps == 0 and step != self._last_logged_step:
+            self._last_logged_step = step
+            self._write({**for_logger, "epoch": self.progress.epoch}, step)
+
+    def publish_epoch_metrics(self, log: bool = True) -> dict[str, float]:
+        """Aggregate the epoch's on_epoch values (synced across ranks) and write them."""
+        assert self.metrics is not None
+        for_logger, for_bar = self.metrics.epoch_values()
+        if not log:
+            return {}
+        self.callback_metrics.update(for_logger)
+        for key in list(for_logger):
+            if key.endswith("_epoch"):
+                self.callback_metrics[key[: -len("_epoch")]] = for_logger[key]
+        self.progress_bar_metrics.update(for_bar)
+        if for_logger:
+            self._write({**for_logger, "epoch": self.progress.epoch}, self.progress.global_step)
+        return {k: float(v) for k, v in for_logger.items()}
+
+    def _write(self, values: dict[str, Any], step: int) -> None:
+        floats = {k: v if k == "epoch" else float(v) for k, v in values.items()}
+        self.logged_metrics.update(floats)
+        if self.is_global_zero:
+            for logger in self.loggers:
+                logger.log_metrics(floats, step)
+
+    # ------------------------------------------------------------------ entry points
+    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> None:
+        """Train `module`; afterwards it holds the trained weights, whatever the strategy."""
+        self._check_inputs(module, datamodule, "fit", train_dataloaders)
+        ckpt = self._resolve_ckpt_path(ckpt_path)
+        self._dispatch("fit", module, datamodule, ckpt, train_dataloaders, val_dataloaders)
+
+    def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
+                 datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[dict[str, float]]:
+        """Run validation once; returns the logged epoch metrics."""
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path)
+
+    def test(self, module: TrainModule | None = None, dataloaders: Any = None,
+             datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[dict[str, float]]:
+        """Run the test set once; returns the logged epoch metrics."""
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
+
+    def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
+                datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[Any]:
+        """predict_step over every batch; a list of outputs (a list per loader when there are several)."""
+        module = module or self.module
+        self._check_inputs(module, datamodule or self.datamodule, "predict", dataloaders)
+        result = self._dispatch("predict", module, datamodule or self.datamodule, self._resolve_ckpt_path(ckpt_path), dataloaders)
+        return result[0] if len(result) == 1 else result
+
+    def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
+                  ckpt_path: str | Path | None) -> list[dict[str, float]]:
+        module = module or self.module
+        datamodule = datamodule or (self.datamodule if dataloaders is None else None)
+        self._check_inputs(module, datamodule, stage, dataloaders)
+        return self._dispatch(stage, module, datamodule, self._resolve_ckpt_path(ckpt_path), dataloaders)
+
+    def _check_inputs(self, module: Any, datamodule: Any, stage: str, loaders: Any) -> None:
+        if not isinstance(module, TrainModule):
+            got = "no module" if module is None else type(module).__name__
+            raise MisconfigurationError(f"Trainer.{stage} needs a TrainModule; got {got}.")
+        if stage == "fit" and type(module).configure_optimizers is TrainModule.configure_optimizers:
+            module.configure_optimizers()  # raises the explanatory error
+        if datamodule is not None and loaders is not None:
+            raise MisconfigurationError(f"Trainer.{stage}: pass either dataloaders or a datamodule, not both.")
+        if datamodule is None and loaders is None:
+            raise MisconfigurationError(f"Trainer.{stage} needs dataloaders or a datamodule.")
+        if datamodule is not None and not isinstance(datamodule, DataModule):
+            raise MisconfigurationError(f"datamodule must be a DataModule; got {type(datamodule).__name__}.")
+
+    def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
+        if ckpt_path is None:
+            return None
+        if ckpt_path == "best":
+            best = getattr(self.checkpoint_callback, "best_model_path", "")
+            if not best:
+                raise MisconfigurationError('ckpt_path="best" needs a ModelCheckpoint with a monitor that has saved a checkpoint.')
+            return Path(best)
+        if ckpt_path == "last":
+            found = self._find_last_checkpoint()
+            if found is None:
+                raise MisconfigurationError(
+                    f'ckpt_path="last": no last.ckpt under {Path(self.config.default_root_dir) / self.config.name}.'
+                )
+            return found
+        path = Path(ckpt_path)
+        if not path.is_file():
+            raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
+        return path
+
+    def _find_last_checkpoint(self) -> Path | None:
+        own = getattr(self.checkpoint_callback, "last_model_path", "")
+        if own and Path(own).is_file():
+            return Path(own)
+        root = Path(self.config.default_root_dir) / self.config.name
+        candidates = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        return candidates[-1] if candidates else None
+
+    def _dispatch(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
+                  *loaders: Any) -> Any:
+        """Run here, or start the job's processes and adopt rank 0's result."""
+        environment = detect_environment()
+        if self.strategy.job_size > 1 and not environment.launched:
+            outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
+            self._adopt(module, outcome)
+            return outcome["result"]
+        return self._run(stage, module, datamodule, ckpt, *loaders, environment=environment)["result"]
+
+    # ------------------------------------------------------------------ one stage in this process
+    def _run(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
+             *loaders: Any, environment: Any = None) -> dict[str, Any]:
+        strategy = self.strategy
+        strategy.setup_environment(environment or detect_environment())
+        self.stage, self.module, self.datamodule, self.should_stop = stage, module, datamodule, False
+        if self.config.seed is not None:
+            seed_everything(self.config.seed, self.config.deterministic)
+        module._trainer = self
+        self.metrics = MetricCollector(strategy.reduce)
+        try:
+            checkpoint = strategy.load_checkpoint(ckpt) if ckpt is not None else None
+            self._setup_loggers(checkpoint if stage == "fit" else None)
+            stage_loaders = self._stage_loaders(stage, datamodule, loaders)
+            strategy.setup_module(module)
+            if stage == "fit":
+                self._setup_optimizers(module)
+            for callback in self.callbacks:
+                callback.setup(self, module, stage)
+            if checkpoint is not None:
+                self._restore(checkpoint, full=stage == "fit")
+            result = self._run_stage(stage, stage_loaders)
+            outcome = {"result": result}
+            if strategy.is_global_zero and strategy.job_size > 1:
+                outcome["state"] = self._state_for_caller()
+            return outcome
+        except BaseException as exception:
+            for callback in self.callbacks:
+                callback.on_exception(self, module, exception)
+            raise
+        finally:
+            for callback in self.callbacks:
+                callback.teardown(self, module, stage)
+            if datamodule is not None:
+                datamodule.teardown(stage)
+            if strategy.is_global_zero:
+                for logger in self.loggers:
+                    logger.finalize()
+            strategy.teardown()
+
+    def _run_stage(self, stage: str, loaders: list[DataLoader]) -> Any:
+        config = self.config
+        if stage == "fit":
+            self.call("on_fit_start")
+            fit_loop(self, loaders[0], loaders[1:])
+            self.call("on_fit_end")
+            return None
+        if stage == "predict":
+            return predict_loop(self, loaders, config.limit_predict_batches)
+        limit = config.limit_val_batches if stage == "validate" else config.limit_test_batches
+        return [evaluation_loop(self, stage, loaders, limit)]
+
+    def _setup_loggers(self, checkpoint: dict[str, Any] | None) -> None:
+        saved = (checkpoint or {}).get("loggers", [])
+        for index, logger in enumerate(self.loggers):
+            if index < len(saved):
+                logger.load_state_dict(saved[index])  # resume in the same run folder, same rows
+            else:
+                logger.version = self.strategy.broadcast(logger.version if self.is_global_zero else None)
+        if not self.loggers:
+            self._version = self.strategy.broadcast(self._run_version() if self.is_global_zero else None)
+        if self.is_global_zero and self.module is not None:
+            for logger in self.loggers:
+                logger.log_hyperparams(dict(self.module.hparams))
+
+    def _stage_loaders(self, stage: str, datamodule: DataModule | None, loaders: tuple[Any, ...]) -> list[DataLoader]:
+        """The stage's loaders (train first, then val, for fit), prepared for this rank."""
+        if datamodule is not None:
+            if self.strategy.local_rank == 0:
+                datamodule.prepare_data()
+            self.strategy.barrier("prepare_data")
+            datamodule.setup(stage)
+            names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
+            loaders = tuple(getattr(datamodule, name)() for name in names)
+        seed = self.config.seed or 0
+        if stage == "fit":
+            train = as_loader_list(loaders[0], "train_dataloaders")
+            if len(train) != 1:
+                raise MisconfigurationError("fit takes exactly one training DataLoader.")
+            val = as_loader_list(loaders[1] if len(loaders) > 1 else None, "val_dataloaders")
+            return [self.strategy.prepare_loader(train[0], True, seed)] + [self.strategy.prepare_loader(v, False, seed) for v in val]
+        return [self.strategy.prepare_loader(loader, False, seed) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
+
+    def _setup_optimizers(self, module: TrainModule) -> None:
+        optimizers, schedulers = parse_optimizers(module.configure_optimizers())
+        self.optimizers = self.strategy.setup_optimizers(optimizers)
+        self.lr_scheduler_configs = schedulers
+        workers = self.strategy.data_parallel_size * self.config.accumulate_grad_batches
+        self.lr_scaler = LRScaler(self.config.lr_scaling, workers, self.config.lr_warmup_steps)
+        self.lr_scaler.apply(self.optimizers, schedulers)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Write a resumable checkpoint (call on every rank; the strategy decides who writes)."""
+        if self.is_global_zero:
+            for logger in self.loggers:
+                logger.save()  # the file must hold every row the checkpoint counts
+        self.strategy.save_checkpoint(self.checkpoint_state(), path)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The checkpoint dict (format: trainer/checkpoint.py). A collective: call on every rank."""
+        assert self.module is not None
+        strategy = self.strategy
+        checkpoint: dict[str, Any] = {
+            "version": CHECKPOINT_VERSION,
+            "state_dict": strategy.model_state_dict(),
+            "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in self.optimizers],
+            "lr_schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+            "precision": strategy.precision.state_dict(),
+            "loops": {"progress": self.progress.state_dict(), "seed": self.config.seed or 0},
+            "callbacks": {callback.state_key: callback.state_dict() for callback in self.callbacks},
+            "loggers": [logger.state_dict() for logger in self.loggers],
+            "rng": strategy.all_gather_object(rng_state()),
+            "hparams": _plain(dict(self.module.hparams)),
+            "datamodule": self.datamodule.state_dict() if self.datamodule is not None else {},
+        }
+        self.module.on_save_checkpoint(checkpoint)
+        for callback in self.callbacks:
+            callback.on_save_checkpoint(self, self.module, checkpoint)
+        return checkpoint
+
+    def _restore(self, checkpoint: dict[str, Any], full: bool) -> None:
+        assert self.module is not None
+        self.module.on_load_checkpoint(checkpoint)
+        for callback in self.callbacks:
+            callback.on_load_checkpoint(self, self.module, checkpoint)
+        self.strategy.load_model_state_dict(checkpoint["state_dict"])
+        if not full:
+            return
+        try:
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+                self.strategy.load_optimizer_state_dict(optimizer, state)
+            for config, state in zip(self.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True):
+                config.scheduler.load_state_dict(state)
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers ({err}).") from err
+        self.strategy.precision.load_state_dict(checkpoint.get("precision", {}))
+        self.progress.load_state_dict(checkpoint["loops"]["progress"])
+        saved = checkpoint.get("callbacks", {})
+        for callback in self.callbacks:
+            if callback.state_key in saved:
+                callback.load_state_dict(saved[callback.state_key])
+        if self.datamodule is not None:
+            self.datamodule.load_state_dict(checkpoint.get("datamodule", {}))
+        states = checkpoint.get("rng", [])
+        if states:
+            set_rng_state(states[self.global_rank] if len(states) == self.world_size else states[0])
+
+    def _state_for_caller(self) -> dict[str, Any]:
+        """What rank 0 hands back to the script that launched the job."""
+        return {
+            "state_dict": {k: v.detach().cpu() for k, v in self.strategy.model_state_dict().items()},
+            "progress": self.progress.state_dict(),
+            "callbacks": {c.state_key: c.state_dict() for c in self.callbacks},
+            "callback_metrics": {k: v.detach().cpu() for k, v in self.callback_metrics.items()},
+            "logged_metrics": dict(self.logged_metrics),
+            "loggers": [logger.state_dict() for logger in self.loggers],
+        }
+
+    def _adopt(self, module: TrainModule, outcome: dict[str, Any]) -> None:
+        """Load rank 0's final state into this (launching) process's module and trainer."""
+        state = outcome.get("state")
+        if state is None:
+            return
+        module.load_state_dict(state["state_dict"])
+        self.module = module
+        self.progress = Progress(**state["progress"])
+        for callback in self.callbacks:
+            if callback.state_key in state["callbacks"]:
+                callback.load_state_dict(state["callbacks"][callback.state_key])
+        self.callback_metrics, self.logged_metrics = state["callback_metrics"], state["logged_metrics"]
+        for logger, logger_state in zip(self.loggers, state["loggers"]):
+            logger.load_state_dict(logger_state)
+
+
+def _plain(value: Any) -> Any:
+    """hparams reduced to what weights_only loading accepts (others become their repr)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
+    return repr(value)
+
+
+# `help(Trainer)` and IDEs show every option, from the one dataclass that defines them.
+Trainer.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     inspect.Parameter("callbacks", inspect.Parameter.KEYWORD_ONLY, default=None)]
+    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+       for f in dataclasses.fields(TrainerConfig)]
+)
