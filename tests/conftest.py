@@ -1,0 +1,21 @@
+"""Isolation for every test: no process group, environment variable or cwd leaks into the next."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    saved_env = dict(os.environ)
+    monkeypatch.chdir(tmp_path)
+    # Child processes started by a test must not oversubscribe CI's two cores.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved_env)
