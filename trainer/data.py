@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -96,6 +97,7 @@ class ResumableBatchSampler(BatchSampler):
     def __init__(self, sampler: Sampler[int], batch_size: int, drop_last: bool) -> None:
         super().__init__(sampler, batch_size, drop_last)
         self.skip = 0
+        self.generator_seed: int | None = None  # set when the loader's generator is ours to reseed
 
     def __iter__(self) -> Iterator[list[int]]:
         skip, self.skip = self.skip, 0
@@ -170,11 +172,21 @@ def prepare_loader(
         sampler = user_sampler
     batch_sampler_cls = ResumableBatchSampler if train else BatchSampler
     batch_sampler = batch_sampler_cls(sampler, loader.batch_size, loader.drop_last)
-    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **_loader_kwargs(loader, pin_memory))
+    kwargs = _loader_kwargs(loader, pin_memory)
+    if train and kwargs["generator"] is None:
+        # Each iterator draws its workers' base seed from this generator; from the global RNG instead,
+        # a run resumed mid-epoch would draw once more than the uninterrupted run and diverge.
+        # Reseeded per epoch in set_epoch, so worker seeds depend on (seed, epoch) only.
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+        batch_sampler.generator_seed = seed
+    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:
-    """Reseed the loader's order for `epoch` (as DistributedSampler.set_epoch does)."""
+    """Reseed the loader's order (and, where the trainer owns it, its worker-seed generator) for `epoch`."""
+    seed = getattr(loader.batch_sampler, "generator_seed", None)
+    if seed is not None and loader.generator is not None:
+        loader.generator.manual_seed(seed + epoch)
     for holder in (loader.batch_sampler, loader.sampler):
         if hasattr(holder, "set_epoch"):
             holder.set_epoch(epoch)

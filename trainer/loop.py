@@ -104,11 +104,14 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         if progress.epoch_done or _steps_done(trainer):
             _validate_if_due(trainer, val_loaders)
         trainer.metrics.in_step = False
-        trainer.call("on_train_epoch_end")
         trainer.publish_epoch_metrics()
-        for config_ in trainer.lr_scheduler_configs:
-            if config_.interval == "epoch" and (progress.epoch + 1) % config_.frequency == 0:
-                step_scheduler(config_, trainer.callback_metrics)
+        # Epoch schedulers step before on_train_epoch_end, where checkpoints are written, so a
+        # checkpoint taken at the epoch's end already holds the scheduler state of the next epoch.
+        for scheduler in trainer.lr_scheduler_configs:
+            if scheduler.interval == "epoch" and progress.epoch_done and (progress.epoch + 1) % scheduler.frequency == 0:
+                step_scheduler(scheduler, trainer.callback_metrics)
+        trainer.call("on_train_epoch_end")
+        trainer.publish_epoch_metrics()  # what on_train_epoch_end itself logged
         if not progress.epoch_done:
             break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
         progress.epoch, progress.epoch_batches, progress.epoch_done = progress.epoch + 1, 0, False
