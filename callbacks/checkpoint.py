@@ -1,7 +1,264 @@
+"""ModelCheckpoint: keep the k best checkpoints by a logged metric (or the k latest), plus last.ckpt."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
 from callbacks.base import Callback
+from trainer.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
+
+# `{name}` or `{name:format_spec}`; names may hold '/' and '.' (logged metric names), unlike str.format fields.
+_PLACEHOLDER = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
 
 
-class ModelCheckpoint(Callback):  # PLACEHOLDER: replaced by the real callback
-    def __init__(self, *a, **k):
-        self.best_model_path = ""
-        self.last_model_path = ""
+class ModelCheckpoint(Callback):
+    """Save checkpoints during fit: the `save_top_k` best by `monitor`, or the latest ones without a monitor.
+
+    Saves happen at the end of every `every_n_epochs`-th training epoch (after that epoch's validation),
+    after mid-epoch validations (`val_check_interval` < 1), or every `every_n_train_steps` optimizer steps;
+    never twice for one global step and never while sanity checking. `filename` is a template holding
+    `{epoch}`, `{step}` and logged metrics with optional format specs: `"{epoch}-{val/acc:.4f}"` gives
+    `epoch=3-val_acc=0.9123.ckpt` ('/' becomes '_'; `name=` is inserted unless auto_insert_metric_name=False).
+    A name already taken gets `-v1`, `-v2`, ... A non-finite monitored value is never saved as a top-k one.
+    """
+
+    CHECKPOINT_NAME_LAST = "last"
+    FILE_EXTENSION = ".ckpt"
+
+    def __init__(self, dirpath: str | Path | None = None, filename: str | None = None, monitor: str | None = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: bool | None = None,
+                 every_n_epochs: int | None = None, every_n_train_steps: int | None = None,
+                 verbose: bool = False, auto_insert_metric_name: bool = True) -> None:
+        if mode not in ("min", "max"):
+            raise MisconfigurationError(f"ModelCheckpoint(mode={mode!r}) is not known; use 'min' or 'max'.")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise MisconfigurationError(f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (keep all), 0 (none) or k >= 1.")
+        for key, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise MisconfigurationError(f"ModelCheckpoint({key}={value!r}) must be a whole number >= 0.")
+        if every_n_epochs and every_n_train_steps:
+            raise MisconfigurationError(
+                f"ModelCheckpoint got every_n_epochs={every_n_epochs} and every_n_train_steps={every_n_train_steps}; "
+                "set only one of them."
+            )
+        self._dirpath_arg = Path(dirpath).expanduser() if dirpath is not None else None
+        self.dirpath: str | None = None  # resolved in setup (default: <log_dir>/checkpoints)
+        self.filename = filename or "{epoch}-{step}"
+        self.monitor, self.mode, self.save_top_k, self.save_last = monitor, mode, save_top_k, save_last
+        self.every_n_train_steps = every_n_train_steps or 0
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if self.every_n_train_steps else 1)
+        self.verbose, self.auto_insert_metric_name = verbose, auto_insert_metric_name
+        self.best_k_models: dict[str, torch.Tensor] = {}
+        self.best_model_path, self.kth_best_model_path, self.last_model_path = "", "", ""
+        self.best_model_score: torch.Tensor | None = None
+        self.kth_value: torch.Tensor | None = None
+        self.current_score: torch.Tensor | None = None
+        self._last_global_step_saved = -1
+        self._validation_ran = False
+        self._warned_missing = False
+
+    @property
+    def state_key(self) -> str:
+        settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
+                    "every_n_epochs": self.every_n_epochs}
+        return f"{type(self).__qualname__}{settings!r}"
+
+    # ------------------------------------------------------------------ when to save
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        path = self._dirpath_arg if self._dirpath_arg is not None else Path(trainer.log_dir) / "checkpoints"
+        # Rank 0's folder wins, so every rank agrees on the paths it records; absolute, so a resume
+        # started from another working directory still recognises them.
+        self.dirpath = trainer.strategy.broadcast(str(path.absolute()) if trainer.is_global_zero else None)
+        self._validation_ran = False
+
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        # A resumed run's checkpoint already holds this step.
+        self._last_global_step_saved = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        n = self.every_n_train_steps
+        if n and trainer.global_step % n == 0:
+            self._save(trainer, at_epoch_end=False)
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if trainer.sanity_checking or trainer.stage != "fit":
+            return
+        self._validation_ran = True
+        # The epoch-end validation is followed by on_train_epoch_end, which saves for it.
+        if not trainer.progress.epoch_done and self._epoch_due(trainer):
+            self._save(trainer, at_epoch_end=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._epoch_due(trainer):
+            self._save(trainer, at_epoch_end=True)
+        elif self.save_last and not trainer.progress.epoch_done:
+            # The run stops mid-epoch (should_stop, max_steps): leave a checkpoint to resume from.
+            self._save(trainer, at_epoch_end=True, top_k=False)
+
+    def _epoch_due(self, trainer: Trainer) -> bool:
+        return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    # ------------------------------------------------------------------ saving
+    def _save(self, trainer: Trainer, at_epoch_end: bool, top_k: bool = True) -> None:
+        step = trainer.global_step
+        if trainer.sanity_checking or step == self._last_global_step_saved:
+            return
+        self._last_global_step_saved = step
+        values = self._candidates(trainer, at_epoch_end)
+        if top_k and self.save_top_k != 0:
+            self._save_top_k(trainer, values)
+        if self.save_last:
+            self._save_last(trainer, values)
+
+    def _candidates(self, trainer: Trainer, at_epoch_end: bool) -> dict[str, Any]:
+        """epoch, step and the logged values the monitor and the filename need, as rank 0 sees them."""
+        metrics = trainer.callback_metrics
+        wanted = {m.group(1) for m in _PLACEHOLDER.finditer(self.filename + self.CHECKPOINT_NAME_LAST)}
+        if self.monitor is not None:
+            wanted.add(self.monitor)
+            if self.monitor not in metrics:
+                self._missing_monitor(trainer, at_epoch_end)
+        values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        values.update({name: float(metrics[name]) for name in wanted - values.keys() if name in metrics})
+        # Ranks could hold different unsynced values; deciding on rank 0's keeps the save collective in step.
+        return trainer.strategy.broadcast(values)
+
+    def _missing_monitor(self, trainer: Trainer, at_epoch_end: bool) -> None:
+        message = (f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
+                   f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) or fix the name.")
+        # Before the first validation a validation metric is legitimately absent; after it, it is a mistake.
+        epoch_validated = at_epoch_end and trainer.progress.epoch_done and trainer.config.check_val_every_n_epoch == 1
+        if self._validation_ran or epoch_validated:
+            raise MisconfigurationError(message)
+        if not self._warned_missing and trainer.is_global_zero:
+            self._warned_missing = True
+            warnings.warn(message + " Skipping top-k saving until it appears.", stacklevel=2)
+
+    def _save_top_k(self, trainer: Trainer, values: dict[str, Any]) -> None:
+        if self.monitor is None:
+            score = float(values["step"])  # without a monitor the newest checkpoints are the best ones
+        elif self.monitor not in values:
+            return
+        else:
+            score = values[self.monitor]
+            self.current_score = torch.tensor(score, dtype=torch.float64)
+            if not math.isfinite(score):
+                self._say(trainer, values, f"{self.monitor!r} is {score}, which is never kept as a top-k checkpoint")
+                return
+        k = self.save_top_k
+        full = k != -1 and len(self.best_k_models) >= k
+        if full and not self._better(score, float(self.best_k_models[self.kth_best_model_path])):
+            if self.monitor is not None:
+                self._say(trainer, values, f"{self.monitor!r} = {score:.5g} was not in the top {k}")
+            return
+        path = self._free_path(trainer, self.filename, values, reusable=self.kth_best_model_path if full else "")
+        self.best_k_models[path] = torch.tensor(score, dtype=torch.float64)
+        evicted = []
+        while k != -1 and len(self.best_k_models) > k:
+            worst = self._worst_path()
+            evicted.append(worst)
+            del self.best_k_models[worst]
+        self._rank()
+        if self.monitor is not None:
+            self._say(trainer, values, f"{self.monitor!r} reached {score:.5g} (best {float(self.best_model_score):.5g}), saving {path}")
+        trainer.save_checkpoint(path)  # the bookkeeping above is part of this checkpoint
+        for old in evicted:
+            trainer.strategy.remove_checkpoint(old)
+
+    def _save_last(self, trainer: Trainer, values: dict[str, Any]) -> None:
+        previous = self.last_model_path
+        self.last_model_path = self._free_path(trainer, self.CHECKPOINT_NAME_LAST, values, reusable=previous)
+        trainer.save_checkpoint(self.last_model_path)
+        if previous and previous != self.last_model_path:
+            trainer.strategy.remove_checkpoint(previous)
+
+    def _free_path(self, trainer: Trainer, template: str, values: dict[str, Any], reusable: str) -> str:
+        """`<dirpath>/<name>.ckpt`, or `<name>-v1.ckpt`, ... when the name is taken (by us or by another file)."""
+        path = None
+        if trainer.is_global_zero:
+            name = self.format_checkpoint_name(values, template)[: -len(self.FILE_EXTENSION)]
+            version = 0
+            while True:
+                suffix = f"-v{version}" if version else ""
+                path = str(Path(self.dirpath or ".") / f"{name}{suffix}{self.FILE_EXTENSION}")
+                taken = path in self.best_k_models or path == self.last_model_path or Path(path).exists()
+                if path == reusable or not taken:
+                    break
+                version += 1
+        return trainer.strategy.broadcast(path)
+
+    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None) -> str:
+        """The file name `filename` (default: this callback's template) gives for `metrics`, with suffix."""
+        template = filename if filename is not None else self.filename
+
+        def fill(match: re.Match[str]) -> str:
+            name, spec = match.group(1), match.group(2) or ""
+            value = metrics.get(name, float("nan"))
+            text = format(float(value) if isinstance(value, torch.Tensor) else value, spec)
+            named = match.string[: match.start()].endswith(f"{name}=")
+            return f"{name}={text}" if self.auto_insert_metric_name and not named else text
+
+        name = _PLACEHOLDER.sub(fill, template)
+        return name.replace("/", "_").replace("\\", "_") + self.FILE_EXTENSION
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def _lower_is_better(self) -> bool:
+        return self.mode == "min" and self.monitor is not None  # without a monitor the score is the step
+
+    def _better(self, score: float, other: float) -> bool:
+        return score < other if self._lower_is_better else score > other
+
+    def _worst_path(self) -> str:
+        pick = max if self._lower_is_better else min
+        return pick(self.best_k_models, key=lambda p: float(self.best_k_models[p]))
+
+    def _rank(self) -> None:
+        if not self.best_k_models:
+            self.best_model_path, self.kth_best_model_path = "", ""
+            self.best_model_score = self.kth_value = None
+            return
+        self.kth_best_model_path = self._worst_path()
+        self.kth_value = self.best_k_models[self.kth_best_model_path]
+        best_pick = min if self._lower_is_better else max
+        self.best_model_path = best_pick(self.best_k_models, key=lambda p: float(self.best_k_models[p]))
+        self.best_model_score = self.best_k_models[self.best_model_path] if self.monitor is not None else None
+
+    def _say(self, trainer: Trainer, values: dict[str, Any], message: str) -> None:
+        if self.verbose and trainer.is_global_zero:
+            print(f"Epoch {values['epoch']}, step {values['step']}: {message}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "monitor": self.monitor, "dirpath": self.dirpath, "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score, "best_k_models": dict(self.best_k_models),
+            "kth_best_model_path": self.kth_best_model_path, "kth_value": self.kth_value,
+            "last_model_path": self.last_model_path, "current_score": self.current_score,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved_dir = state.get("dirpath")
+        same_dir = self.dirpath is None or (saved_dir is not None and Path(saved_dir).resolve() == Path(self.dirpath).resolve())
+        if not same_dir:
+            # Other files live there: keeping their scores would evict or mis-rank files we never wrote.
+            warnings.warn(f"ModelCheckpoint: the checkpoint folder changed from {saved_dir} to {self.dirpath}; "
+                          "only best_model_path is restored, top-k bookkeeping starts afresh.", stacklevel=2)
+            self.best_model_path = state.get("best_model_path", "")
+            return
+        self.dirpath = self.dirpath or saved_dir
+        self.best_k_models = dict(state.get("best_k_models", {}))
+        self.last_model_path = state.get("last_model_path", "")
+        self.current_score = state.get("current_score")
+        self._rank()

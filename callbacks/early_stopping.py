@@ -1,7 +1,127 @@
+"""EarlyStopping: stop the fit when a logged metric stops improving, diverges or is no longer finite."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
 from callbacks.base import Callback
+from trainer.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
 
 
-class EarlyStopping(Callback):  # PLACEHOLDER: replaced by the real callback
-    def __init__(self, *a, **k):
-        self.best_model_path = ""
-        self.last_model_path = ""
+class EarlyStopping(Callback):
+    """Set `trainer.should_stop` once `monitor` has not improved by more than `min_delta` for `patience` checks.
+
+    A check happens at each training epoch's end when validation runs once per epoch at its end (the
+    default; this also covers runs without validation), otherwise after each validation; pass
+    `check_on_train_epoch_end` to choose. It also stops when the value is not finite (`check_finite`),
+    beats `stopping_threshold`, or is worse than `divergence_threshold`. `patience` counts checks, not epochs.
+    """
+
+    def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, mode: str = "min",
+                 check_finite: bool = True, stopping_threshold: float | None = None,
+                 divergence_threshold: float | None = None, verbose: bool = False, strict: bool = True,
+                 check_on_train_epoch_end: bool | None = None) -> None:
+        if mode not in ("min", "max"):
+            raise MisconfigurationError(f"EarlyStopping(mode={mode!r}) is not known; use 'min' or 'max'.")
+        if not isinstance(patience, int) or patience < 0:
+            raise MisconfigurationError(f"EarlyStopping(patience={patience!r}) must be a whole number >= 0.")
+        if min_delta < 0:
+            raise MisconfigurationError(
+                f"EarlyStopping(min_delta={min_delta}) must be >= 0: it is the least change that counts as improvement."
+            )
+        self.monitor, self.min_delta, self.patience, self.mode = monitor, float(min_delta), patience, mode
+        self.check_finite, self.strict, self.verbose = check_finite, strict, verbose
+        self.stopping_threshold, self.divergence_threshold = stopping_threshold, divergence_threshold
+        self.check_on_train_epoch_end = check_on_train_epoch_end
+        self.wait_count = 0
+        self.stopped_epoch = 0
+        self.best_score = math.inf if mode == "min" else -math.inf
+        self.stopping_reason: str | None = None
+        self._at_epoch_end = True
+        self._warned_missing = False
+
+    @property
+    def state_key(self) -> str:
+        settings = {"monitor": self.monitor, "mode": self.mode}
+        return f"{type(self).__qualname__}{settings!r}"
+
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        if self.check_on_train_epoch_end is not None:
+            self._at_epoch_end = self.check_on_train_epoch_end
+            return
+        interval = trainer.config.val_check_interval
+        # Validation runs right before on_train_epoch_end exactly when it runs once per epoch, at its end.
+        self._at_epoch_end = (isinstance(interval, float) and interval == 1.0
+                              and trainer.config.check_val_every_n_epoch == 1)
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if trainer.sanity_checking or trainer.stage != "fit" or self._at_epoch_end:
+            return
+        self._check(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._at_epoch_end:
+            self._check(trainer)
+
+    def _check(self, trainer: Trainer) -> None:
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; logged: {sorted(metrics)}. "
+                       f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False.")
+            if self.strict:
+                raise MisconfigurationError(message)
+            if not self._warned_missing and trainer.is_global_zero:
+                self._warned_missing = True
+                warnings.warn(message, stacklevel=2)
+            return
+        # Every rank follows rank 0's value so all of them stop at the same step.
+        current = trainer.strategy.broadcast(float(metrics[self.monitor]))
+        should_stop, reason = self._evaluate(current)
+        if should_stop:
+            trainer.should_stop = True
+            self.stopped_epoch = trainer.current_epoch
+            self.stopping_reason = reason
+        if reason and (should_stop or self.verbose) and trainer.is_global_zero:
+            print(f"EarlyStopping (epoch {trainer.current_epoch}, step {trainer.global_step}): {reason}")
+
+    def _improves(self, current: float, reference: float, margin: float = 0.0) -> bool:
+        return current < reference - margin if self.mode == "min" else current > reference + margin
+
+    def _evaluate(self, current: float) -> tuple[bool, str | None]:
+        """(stop?, why) for one new value; updates best_score and wait_count."""
+        name = repr(self.monitor)
+        if self.check_finite and not math.isfinite(current):
+            return True, (f"{name} = {current} is not finite; the best was {self.best_score:.5g}. "
+                          "Stopping (pass check_finite=False to continue).")
+        if self.stopping_threshold is not None and self._improves(current, self.stopping_threshold):
+            return True, f"{name} = {current:.5g} passed stopping_threshold={self.stopping_threshold}. Stopping."
+        if self.divergence_threshold is not None and self._improves(self.divergence_threshold, current):
+            return True, (f"{name} = {current:.5g} is worse than divergence_threshold={self.divergence_threshold}; "
+                          "the run diverged. Stopping.")
+        if self._improves(current, self.best_score, self.min_delta):
+            previous = self.best_score
+            self.best_score, self.wait_count = current, 0
+            if math.isfinite(previous):
+                return False, f"{name} improved by {abs(previous - current):.5g} to {current:.5g}."
+            return False, f"{name} = {current:.5g} is the first best."
+        self.wait_count += 1
+        if self.wait_count >= self.patience:
+            return True, (f"{name} did not improve by more than {self.min_delta} in the last {self.wait_count} checks "
+                          f"(best {self.best_score:.5g}). Stopping.")
+        return False, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self.best_score,
+                "patience": self.patience}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # patience stays as configured now: resuming with a different patience is a deliberate choice.
+        self.wait_count = int(state["wait_count"])
+        self.stopped_epoch = int(state["stopped_epoch"])
+        self.best_score = float(state["best_score"])

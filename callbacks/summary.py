@@ -1,7 +1,157 @@
+"""ModelSummary: a layer table when the fit starts, and a run summary (best scores, throughput) when it ends."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from torch.nn.parameter import UninitializedParameter
+
 from callbacks.base import Callback
+from trainer.errors import MisconfigurationError
+from trainer.loop import batch_size_of
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
 
 
-class ModelSummary(Callback):  # PLACEHOLDER: replaced by the real callback
-    def __init__(self, *a, **k):
-        self.best_model_path = ""
-        self.last_model_path = ""
+@dataclass
+class LayerSummary:
+    """One row of the layer table."""
+
+    name: str
+    type: str
+    parameters: int
+    trainable: int
+
+
+def count_parameters(parameters: Any) -> tuple[int, int]:
+    """(all, trainable) element counts; lazy parameters not yet materialised count as 0."""
+    total = trainable = 0
+    for p in parameters:
+        if isinstance(p, UninitializedParameter):
+            continue
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
+
+
+def summarize(module: nn.Module, max_depth: int = 1) -> list[LayerSummary]:
+    """Rows for the submodules down to `max_depth` levels (-1: all); shared parameters count once per row."""
+    rows = []
+    for name, submodule in module.named_modules():
+        depth = name.count(".") + 1
+        if not name or (max_depth != -1 and depth > max_depth):
+            continue
+        total, trainable = count_parameters(submodule.parameters())
+        rows.append(LayerSummary(name, type(submodule).__name__, total, trainable))
+    return rows
+
+
+def human_count(number: float) -> str:
+    """1234567 -> '1.2 M'."""
+    for unit in ("", " K", " M", " B"):
+        if abs(number) < 1000:
+            return f"{number:.0f}{unit}" if not unit else f"{number:.1f}{unit}"
+        number /= 1000
+    return f"{number:.1f} T"
+
+
+class ModelSummary(Callback):
+    """Prints (rank 0) the module's layers and parameter totals at fit start, and a run summary at fit end."""
+
+    def __init__(self, max_depth: int = 1) -> None:
+        if not isinstance(max_depth, int) or max_depth < -1:
+            raise MisconfigurationError(f"ModelSummary(max_depth={max_depth!r}): use -1 (all levels) or a depth >= 0.")
+        self.max_depth = max_depth
+        self.layers: list[LayerSummary] = []
+        self.total_parameters = self.trainable_parameters = self.non_trainable_parameters = 0
+        self.model_size_mb = 0.0
+        self.run_summary: dict[str, Any] = {}
+        self._fit_start = self._train_start = self._train_end = 0.0
+        self._batches_samples = 0
+
+    # ------------------------------------------------------------------ fit start: the layer table
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._fit_start = time.perf_counter()
+        if not trainer.is_global_zero:
+            return
+        self.layers = summarize(module, self.max_depth)
+        self.total_parameters, self.trainable_parameters = count_parameters(module.parameters())
+        self.non_trainable_parameters = self.total_parameters - self.trainable_parameters
+        self.model_size_mb = sum(p.numel() * p.element_size() for p in module.parameters()
+                                 if not isinstance(p, UninitializedParameter)) / 1e6
+        Console().print(self.layer_table())
+
+    def layer_table(self) -> Table:
+        """The rich table of layers and totals."""
+        table = Table(title="Model summary", title_justify="left")
+        for header, justify in (("", "right"), ("Name", "left"), ("Type", "left"), ("Params", "right")):
+            table.add_column(header, justify=justify)  # type: ignore[arg-type]
+        for index, layer in enumerate(self.layers):
+            table.add_row(str(index), layer.name, layer.type, human_count(layer.parameters))
+        table.add_section()
+        totals = (("Trainable params", human_count(self.trainable_parameters)),
+                  ("Non-trainable params", human_count(self.non_trainable_parameters)),
+                  ("Total params", f"{human_count(self.total_parameters)} ({self.total_parameters:,})"),
+                  ("Params size (MB)", f"{self.model_size_mb:.3f}"))
+        for label, value in totals:
+            table.add_row("", label, "", value)
+        return table
+
+    # ------------------------------------------------------------------ during training: count samples
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._train_start, self._batches_samples = time.perf_counter(), 0
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._batches_samples += batch_size_of(batch)
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._train_end = time.perf_counter()
+
+    # ------------------------------------------------------------------ fit end: the run summary
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        train_seconds = max(self._train_end - self._train_start, 1e-9)
+        samples = self._batches_samples * trainer.strategy.data_parallel_size
+        summary: dict[str, Any] = {"fit wall time (s)": time.perf_counter() - self._fit_start,
+                                   "train samples": samples, "train samples/s": samples / train_seconds}
+        for callback in trainer.checkpoint_callbacks:
+            monitor = getattr(callback, "monitor", None)
+            if monitor is not None:
+                best = callback.best_model_score
+                summary[f"{monitor} best"] = float(best) if best is not None else None
+                last = trainer.callback_metrics.get(monitor)
+                summary[f"{monitor} last"] = float(last) if last is not None else None
+                summary[f"{monitor} best checkpoint"] = callback.best_model_path or None
+            if callback.last_model_path:
+                summary["last checkpoint"] = callback.last_model_path
+        self.run_summary = summary
+        Console().print(self.run_table())
+
+    def run_table(self) -> Table:
+        """The rich table of the run summary."""
+        table = Table(title="Run summary", title_justify="left", show_header=False)
+        table.add_column("quantity", justify="left")
+        table.add_column("value", justify="left", overflow="fold")
+        for key, value in self.run_summary.items():
+            if value is None:
+                text = "-"
+            elif key == "fit wall time (s)":
+                text = f"{value:.1f} s" if value < 60 else str(timedelta(seconds=round(value)))
+                key = "fit wall time"
+            elif key == "train samples/s":
+                text = f"{value:,.1f}"
+            elif isinstance(value, float):
+                text = f"{value:.6g}"
+            else:
+                text = f"{value:,}" if isinstance(value, int) else str(value)
+            table.add_row(key, text)
+        return table

@@ -1,7 +1,138 @@
+"""Timer: measure time per stage and stop the fit once a training-time budget is spent."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
 from callbacks.base import Callback
+from trainer.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
+
+STAGES = ("train", "validate", "test")
+_DHMS = re.compile(r"^\s*(\d+):(\d+):(\d+):(\d+)\s*$")
 
 
-class Timer(Callback):  # PLACEHOLDER: replaced by the real callback
-    def __init__(self, *a, **k):
-        self.best_model_path = ""
-        self.last_model_path = ""
+def parse_duration(duration: Any) -> float | None:
+    """Seconds from None, a number of seconds, a timedelta, a dict of timedelta arguments or "DD:HH:MM:SS"."""
+    if duration is None:
+        return None
+    seconds: float
+    if isinstance(duration, timedelta):
+        seconds = duration.total_seconds()
+    elif isinstance(duration, dict):
+        try:
+            seconds = timedelta(**duration).total_seconds()
+        except TypeError as err:
+            raise MisconfigurationError(
+                f"Timer(duration={duration!r}): a dict takes timedelta arguments (days, hours, minutes, seconds, ...)."
+            ) from err
+    elif isinstance(duration, str):
+        match = _DHMS.match(duration)
+        if match is None:
+            raise MisconfigurationError(f"Timer(duration={duration!r}): a string must read 'DD:HH:MM:SS', e.g. '00:12:00:00'.")
+        days, hours, minutes, secs = (int(group) for group in match.groups())
+        seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
+    elif isinstance(duration, (int, float)) and not isinstance(duration, bool):
+        seconds = float(duration)
+    else:
+        raise MisconfigurationError(
+            f"Timer(duration={duration!r}): use seconds, a timedelta, a dict like {{'hours': 2}} or 'DD:HH:MM:SS'."
+        )
+    if seconds < 0:
+        raise MisconfigurationError(f"Timer(duration={duration!r}) is negative; give a time budget >= 0.")
+    return seconds
+
+
+class Timer(Callback):
+    """Times the train, validate and test stages; with `duration`, stops training once it has run that long.
+
+    The check runs after every optimizer step (`interval="step"`) or at each epoch's end ("epoch"). The
+    training time so far is saved in checkpoints, so a resumed run continues the same budget.
+    """
+
+    def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True) -> None:
+        if interval not in ("step", "epoch"):
+            raise MisconfigurationError(f"Timer(interval={interval!r}) is not known; use 'step' or 'epoch'.")
+        self.duration = parse_duration(duration)
+        self.interval, self.verbose = interval, verbose
+        self._start: dict[str, float] = {}
+        self._end: dict[str, float] = {}
+        self._offset = 0.0  # training seconds spent before a resume
+        self._announced = False
+
+    def start_time(self, stage: str = "train") -> float | None:
+        """When `stage` last started (time.monotonic), or None."""
+        return self._start.get(stage)
+
+    def end_time(self, stage: str = "train") -> float | None:
+        """When `stage` last ended (time.monotonic), or None while it runs."""
+        return self._end.get(stage)
+
+    def time_elapsed(self, stage: str = "train") -> float:
+        """Seconds `stage` has run (its latest run; training includes time before a resume)."""
+        offset = self._offset if stage == "train" else 0.0
+        start = self._start.get(stage)
+        if start is None:
+            return offset
+        return self._end.get(stage, time.monotonic()) - start + offset
+
+    def time_remaining(self, stage: str = "train") -> float | None:
+        """Seconds left of `duration`, or None without one."""
+        return None if self.duration is None else self.duration - self.time_elapsed(stage)
+
+    def _begin(self, stage: str) -> None:
+        self._start[stage] = time.monotonic()
+        self._end.pop(stage, None)
+
+    def _finish(self, stage: str) -> None:
+        self._end[stage] = time.monotonic()
+
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._announced = False
+        self._begin("train")
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._finish("train")
+
+    def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._begin("validate")
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._finish("validate")
+
+    def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._begin("test")
+
+    def on_test_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._finish("test")
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.interval == "step":
+            self._check(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self.interval == "epoch":
+            self._check(trainer)
+
+    def _check(self, trainer: Trainer) -> None:
+        if self.duration is None:
+            return
+        # Rank 0's clock decides, so every rank stops after the same step.
+        if trainer.strategy.broadcast(self.time_elapsed("train") >= self.duration):
+            trainer.should_stop = True
+            if self.verbose and trainer.is_global_zero and not self._announced:
+                self._announced = True  # min_epochs may keep the run going: say it once
+                print(f"Timer: the time budget of {timedelta(seconds=self.duration)} is spent "
+                      f"({timedelta(seconds=round(self.time_elapsed('train')))} elapsed); stopping.")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in STAGES}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._offset = float(state["time_elapsed"].get("train", 0.0))

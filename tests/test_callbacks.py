@@ -1,0 +1,453 @@
+"""The built-in callbacks on real (tiny) fits: files on disk, stop epochs, logged rates, printed tables."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import callbacks.progress as progress_module
+from callbacks import (
+    Callback,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    RichProgressBar,
+    Timer,
+)
+from callbacks.timer import parse_duration
+from trainer import Trainer, TrainModule
+from trainer.errors import MisconfigurationError
+
+BATCHES_PER_EPOCH = 4
+
+
+class Scripted(TrainModule):
+    """Linear regression whose validation logs a scripted score: scores[epoch], or scores[validation index]."""
+
+    def __init__(self, scores=(), name="val/score", per_validation=False, sleep=0.0, sanity_score=-100.0):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.scores, self.name, self.per_validation = list(scores), name, per_validation
+        self.sanity_score = sanity_score  # logged while sanity checking: the best score, were it ever used
+        self.validations = 0  # validations run in this process, sanity checks excluded
+        self.sleep = sleep
+
+    def training_step(self, batch, batch_idx):
+        if self.sleep:
+            time.sleep(self.sleep)
+        x, y = batch
+        loss = F.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        if not self.scores:
+            return
+        if self.trainer.sanity_checking:
+            value = self.sanity_score
+        else:
+            value = self.scores[self.validations if self.per_validation else self.trainer.current_epoch]
+        self.log(self.name, value, prog_bar=True)
+
+    def on_validation_end(self):
+        if not self.trainer.sanity_checking:
+            self.validations += 1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loaders(samples=16, batch_size=4):
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(samples, 4, generator=generator), torch.randn(samples, 1, generator=generator))
+    return DataLoader(data, batch_size=batch_size), DataLoader(data, batch_size=batch_size)
+
+
+def make_trainer(tmp_path, callbacks=(), **options):
+    settings = dict(default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+                    logger=False, num_sanity_val_steps=0)
+    settings.update(options)
+    return Trainer(callbacks=list(callbacks), **settings)
+
+
+def checkpoint_names(folder) -> set[str]:
+    return {p.name for p in Path(folder).glob("*.ckpt")}
+
+
+def load(path):
+    return torch.load(path, weights_only=True)
+
+
+# --------------------------------------------------------------------------- ModelCheckpoint
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # a save attempted while sanity checking would warn
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_top_k_keeps_exactly_the_k_best_files(tmp_path, mode):
+    scores = [0.5, math.nan, 0.8, 0.1, 0.4, math.inf, 0.2, 0.3]
+    k = 3
+    # Independently: the k best finite scores, named by the template ('/' in the metric name becomes '_').
+    finite = [(s, epoch) for epoch, s in enumerate(scores) if math.isfinite(s)]
+    ranked = sorted(finite, reverse=mode == "max")[:k]
+    expected = {f"epoch={epoch}-val_score={s:.2f}.ckpt" for s, epoch in ranked}
+    best_score, best_epoch = ranked[0]
+
+    checkpoint = ModelCheckpoint(monitor="val/score", mode=mode, save_top_k=k, save_last=True,
+                                 filename="{epoch}-{val/score:.2f}")
+    module = Scripted(scores, sanity_score=-100.0 if mode == "min" else 100.0)
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=len(scores), num_sanity_val_steps=1)
+    trainer.fit(module, *loaders())
+
+    folder = Path(checkpoint.dirpath)
+    assert folder == tmp_path / "default" / "version_0" / "checkpoints"
+    assert checkpoint_names(folder) == expected | {"last.ckpt"}
+    assert set(map(str, (folder / name for name in expected))) == set(checkpoint.best_k_models)
+    assert Path(checkpoint.best_model_path).name == f"epoch={best_epoch}-val_score={best_score:.2f}.ckpt"
+    assert float(checkpoint.best_model_score) == pytest.approx(best_score)
+    assert Path(checkpoint.kth_best_model_path).name == f"epoch={ranked[-1][1]}-val_score={ranked[-1][0]:.2f}.ckpt"
+
+    best = load(checkpoint.best_model_path)
+    assert best["loops"]["progress"]["epoch"] == best_epoch
+    assert set(best["state_dict"]) == set(module.state_dict())
+    last = load(checkpoint.last_model_path)
+    assert Path(checkpoint.last_model_path).name == "last.ckpt"
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(last["state_dict"][name], tensor)
+    # The checkpoint holds the bookkeeping as it was after this file was added.
+    saved = last["callbacks"][checkpoint.state_key]
+    assert set(saved["best_k_models"]) == set(checkpoint.best_k_models)
+
+
+def test_every_n_train_steps_saves_once_per_optimizer_step(tmp_path):
+    # 8 micro-batches per epoch, 2 per optimizer step: 4 steps per epoch, 8 in all; a save every 3 steps.
+    checkpoint = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=2, accumulate_grad_batches=2)
+    trainer.fit(Scripted(), *loaders(batch_size=2))
+    steps_per_epoch = 4
+    expected = {f"epoch={(step - 1) // steps_per_epoch}-step={step}.ckpt" for step in (3, 6)}
+    assert checkpoint_names(checkpoint.dirpath) == expected
+    for path in checkpoint.best_k_models:
+        assert load(path)["loops"]["progress"]["global_step"] == int(Path(path).stem.split("step=")[1])
+
+
+def test_mid_epoch_validation_saves_at_validation_and_epoch_end(tmp_path):
+    checkpoint = ModelCheckpoint(save_top_k=-1)
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=2, val_check_interval=0.5)
+    trainer.fit(Scripted([0.0] * 4, per_validation=True), *loaders())
+    assert checkpoint_names(checkpoint.dirpath) == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
+                                                    "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"}
+    mid = load(Path(checkpoint.dirpath) / "epoch=1-step=6.ckpt")["loops"]["progress"]
+    assert (mid["epoch_batches"], mid["epoch_done"]) == (2, False)
+    end = load(Path(checkpoint.dirpath) / "epoch=1-step=8.ckpt")["loops"]["progress"]
+    assert (end["epoch_batches"], end["epoch_done"]) == (4, True)
+
+
+def test_without_monitor_the_latest_k_are_kept(tmp_path):
+    checkpoint = ModelCheckpoint(save_top_k=2)
+    make_trainer(tmp_path, [checkpoint], max_epochs=4).fit(Scripted(), *loaders())
+    assert checkpoint_names(checkpoint.dirpath) == {"epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt"}
+    assert Path(checkpoint.best_model_path).name == "epoch=3-step=16.ckpt"
+    assert checkpoint.best_model_score is None
+
+
+def test_name_collisions_get_version_suffixes(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="fixed", save_top_k=-1)
+    make_trainer(tmp_path, [checkpoint], max_epochs=3).fit(Scripted(), *loaders())
+    assert checkpoint_names(tmp_path / "ckpts") == {"fixed.ckpt", "fixed-v1.ckpt", "fixed-v2.ckpt"}
+
+
+def test_format_checkpoint_name():
+    checkpoint = ModelCheckpoint(filename="{epoch:02d}-{val/acc:.3f}-train.loss={train.loss:.1f}-{absent}")
+    values = {"epoch": 3, "step": 7, "val/acc": torch.tensor(0.91234), "train.loss": 1.25}
+    assert checkpoint.format_checkpoint_name(values) == "epoch=03-val_acc=0.912-train.loss=1.2-absent=nan.ckpt"
+    assert checkpoint.format_checkpoint_name(values, "epoch={epoch}-step={step}") == "epoch=3-step=7.ckpt"
+    assert ModelCheckpoint(auto_insert_metric_name=False).format_checkpoint_name(values) == "3-7.ckpt"
+
+
+def test_missing_monitor_names_the_key_and_the_logged_keys(tmp_path):
+    trainer = make_trainer(tmp_path, [ModelCheckpoint(monitor="val_acc")], max_epochs=1)
+    with pytest.raises(MisconfigurationError) as error:
+        trainer.fit(Scripted([0.5]), *loaders())
+    assert "'val_acc'" in str(error.value)
+    assert str(["train_loss", "val/score"]) in str(error.value)
+
+
+def test_resume_keeps_top_k_bookkeeping(tmp_path):
+    scores = [0.5, 0.3, 0.9, 0.4, 0.2, 0.8, 0.35, 0.6]
+
+    def run(max_epochs, ckpt_path=None):
+        checkpoint = ModelCheckpoint(monitor="val/score", save_top_k=2, save_last=True)
+        trainer = make_trainer(tmp_path, [checkpoint], max_epochs=max_epochs, logger=True)
+        trainer.fit(Scripted(scores), *loaders(), ckpt_path=ckpt_path)
+        return checkpoint
+
+    first = run(4)
+    assert sorted(float(s) for s in first.best_k_models.values()) == pytest.approx([0.3, 0.4])
+    second = run(8, ckpt_path=first.last_model_path)
+    assert second.dirpath == first.dirpath  # the CSV logger resumed the same version folder
+    # Over both runs the two best are epoch 4 (0.2) and epoch 1 (0.3); run 1's epoch 3 file was evicted.
+    assert checkpoint_names(second.dirpath) == {"epoch=1-step=8.ckpt", "epoch=4-step=20.ckpt", "last.ckpt"}
+    assert Path(second.best_model_path).name == "epoch=4-step=20.ckpt"
+
+
+def test_checkpoint_state_round_trips_through_a_weights_only_file(tmp_path):
+    by_score = ModelCheckpoint(monitor="val/score", save_top_k=2, save_last=True)
+    latest = ModelCheckpoint(every_n_train_steps=4, save_top_k=1)
+    assert by_score.state_key != latest.state_key
+    make_trainer(tmp_path, [by_score, latest], max_epochs=3).fit(Scripted([0.3, 0.1, 0.2]), *loaders())
+    states = load(by_score.last_model_path)["callbacks"]
+    assert {by_score.state_key, latest.state_key} <= set(states)
+
+    restored = ModelCheckpoint(monitor="val/score", save_top_k=2, save_last=True)
+    restored.load_state_dict(states[by_score.state_key])
+    assert restored.best_k_models.keys() == by_score.best_k_models.keys()
+    assert restored.best_model_path == by_score.best_model_path
+    assert float(restored.best_model_score) == pytest.approx(0.1)
+    assert restored.last_model_path == by_score.last_model_path
+
+
+# --------------------------------------------------------------------------- EarlyStopping
+
+
+@pytest.mark.parametrize("min_delta, stop_epoch", [
+    # best 1.0 (e0); 0.97 is not below 1.0 - 0.05 (wait 1); 0.96 is not below either (wait 2 = patience).
+    (0.05, 2),
+    # every value improves until 0.5 (e3); 0.6 (wait 1), 0.7 (wait 2 = patience).
+    (0.0, 5),
+])
+def test_early_stopping_patience_and_min_delta(tmp_path, min_delta, stop_epoch):
+    scores = [1.0, 0.97, 0.96, 0.5, 0.6, 0.7, 0.1, 0.1]
+    stopper = EarlyStopping("val/score", min_delta=min_delta, patience=2)
+    checkpoint = ModelCheckpoint(save_top_k=0, save_last=True)
+    module = Scripted(scores)
+    make_trainer(tmp_path, [checkpoint, stopper], max_epochs=len(scores)).fit(module, *loaders())
+    assert stopper.stopped_epoch == stop_epoch
+    assert module.validations == stop_epoch + 1  # no epoch ran after the stop
+    assert stopper.wait_count == 2
+    # ModelCheckpoint runs after EarlyStopping, so the last checkpoint holds the counters of its epoch.
+    saved = load(checkpoint.last_model_path)["callbacks"][stopper.state_key]
+    assert (saved["wait_count"], saved["stopped_epoch"]) == (2, stop_epoch)
+
+
+def test_early_stopping_checks_after_each_mid_epoch_validation(tmp_path):
+    # Validations after batches 2 and 4 of each epoch; the third (epoch 1, batch 2) is the second miss.
+    stopper = EarlyStopping("val/score", patience=1)
+    trainer = make_trainer(tmp_path, [stopper], max_epochs=5, val_check_interval=0.5)
+    trainer.fit(Scripted([1.0, 0.95, 0.97, 0.0], per_validation=True), *loaders())
+    assert stopper.stopped_epoch == 1
+    assert trainer.global_step == BATCHES_PER_EPOCH + 2
+
+
+def test_early_stopping_stops_on_a_non_finite_value(tmp_path, capsys):
+    stopper = EarlyStopping("val/score", patience=10)
+    module = Scripted([1.0, 0.8, math.nan, 0.5])
+    make_trainer(tmp_path, [stopper], max_epochs=4).fit(module, *loaders())
+    assert stopper.stopped_epoch == 2 and module.validations == 3
+    assert "not finite" in stopper.stopping_reason
+    assert "not finite" in capsys.readouterr().out
+
+
+def test_early_stopping_missing_key(tmp_path):
+    with pytest.raises(MisconfigurationError, match=r"'val_acc'.*\['train_loss', 'val/score'\]"):
+        make_trainer(tmp_path, [EarlyStopping("val_acc")], max_epochs=2).fit(Scripted([1.0, 1.0]), *loaders())
+    module = Scripted([1.0, 1.0])
+    with pytest.warns(UserWarning, match="val_acc"):
+        make_trainer(tmp_path, [EarlyStopping("val_acc", strict=False)], max_epochs=2).fit(module, *loaders())
+    assert module.validations == 2
+
+
+def test_early_stopping_state_round_trip(tmp_path):
+    stopper = EarlyStopping("val/score", patience=3)
+    make_trainer(tmp_path, [stopper], max_epochs=3).fit(Scripted([0.5, 0.6, 0.7]), *loaders())
+    torch.save(stopper.state_dict(), tmp_path / "state.pt")
+    restored = EarlyStopping("val/score", patience=3)
+    restored.load_state_dict(load(tmp_path / "state.pt"))
+    assert (restored.wait_count, restored.best_score) == (2, pytest.approx(0.5))
+    # One more miss is the third in a row only because the count came back with the state.
+    stopper_trainer = make_trainer(tmp_path, [restored], max_epochs=5)
+    module = Scripted([0.9] * 5)
+    stopper_trainer.fit(module, *loaders())
+    assert restored.stopped_epoch == 0 and module.validations == 1
+
+
+# --------------------------------------------------------------------------- Timer
+
+
+@pytest.mark.parametrize("duration", [90, 90.0, timedelta(minutes=1, seconds=30), {"minutes": 1, "seconds": 30},
+                                      "00:00:01:30"])
+def test_timer_durations(duration):
+    assert parse_duration(duration) == 90.0
+
+
+@pytest.mark.parametrize("duration", ["1:30", -1, {"minute": 1}, True, [1]])
+def test_timer_rejects_bad_durations(duration):
+    with pytest.raises(MisconfigurationError, match="Timer"):
+        Timer(duration)
+
+
+class ElapsedRecorder(Callback):
+    """Records the timer's reading after each step, just before the timer itself checks."""
+
+    def __init__(self, timer):
+        self.timer, self.readings = timer, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.readings.append(self.timer.time_elapsed("train"))
+
+
+def test_timer_stops_a_run(tmp_path):
+    budget = 0.03
+    timer = Timer(duration=timedelta(seconds=budget))
+    recorder = ElapsedRecorder(timer)
+    trainer = make_trainer(tmp_path, [recorder, timer], max_epochs=1000)
+    trainer.fit(Scripted(sleep=0.005), *loaders())
+    assert trainer.should_stop and trainer.global_step == len(recorder.readings)
+    # It ran on while the budget lasted and stopped after the first step that spent it.
+    assert all(reading < budget for reading in recorder.readings[:-1])
+    assert timer.time_elapsed("train") >= budget
+
+
+@pytest.mark.parametrize("interval, steps", [("step", 1), ("epoch", BATCHES_PER_EPOCH)])
+def test_timer_budget_survives_resume(tmp_path, interval, steps):
+    timer = Timer(duration=60, interval=interval)
+    timer.load_state_dict({"time_elapsed": {"train": 60.0, "validate": 0.0, "test": 0.0}})
+    assert timer.time_elapsed("train") == 60.0
+    trainer = make_trainer(tmp_path, [timer], max_epochs=10)
+    trainer.fit(Scripted(), *loaders())
+    assert trainer.global_step == steps  # the budget was spent before this run: stop at the first check
+    assert timer.state_dict()["time_elapsed"]["train"] >= 60.0
+
+
+# --------------------------------------------------------------------------- LearningRateMonitor
+
+
+def read_lr_rows(log_dir) -> list[tuple[int, float]]:
+    with open(Path(log_dir) / "metrics.csv", newline="") as f:
+        return [(int(row["step"]), float(row["lr-0-0"])) for row in csv.DictReader(f) if row.get("lr-0-0")]
+
+
+class Scheduled(Scripted):
+    def __init__(self, interval):
+        super().__init__()
+        self.interval = interval
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.interval == "step":
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        else:
+            scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
+
+
+def test_lr_monitor_follows_a_step_scheduler(tmp_path):
+    trainer = make_trainer(tmp_path, [LearningRateMonitor()], max_epochs=2, logger=True, log_every_n_steps=1)
+    trainer.fit(Scheduled("step"), *loaders())
+    # Row s holds the rate of the step after it: halved every 2 steps.
+    assert read_lr_rows(trainer.log_dir) == [(s, pytest.approx(0.1 * 0.5 ** (s // 2))) for s in range(8)]
+
+
+def test_lr_monitor_follows_an_epoch_scheduler(tmp_path):
+    trainer = make_trainer(tmp_path, [LearningRateMonitor()], max_epochs=3, logger=True, log_every_n_steps=1)
+    trainer.fit(Scheduled("epoch"), *loaders())
+    expected = [(BATCHES_PER_EPOCH * e, pytest.approx(0.1 * 0.9**e)) for e in range(3)]
+    assert read_lr_rows(trainer.log_dir) == expected
+
+
+def test_lr_monitor_needs_a_logger(tmp_path):
+    with pytest.raises(MisconfigurationError, match="logger"):
+        make_trainer(tmp_path, [LearningRateMonitor()], max_epochs=1).fit(Scripted(), *loaders())
+
+
+# --------------------------------------------------------------------------- ModelSummary
+
+
+class WithFrozenPart(Scripted):
+    def __init__(self, scores):
+        super().__init__(scores)
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.layer(self.body(x))
+
+
+def test_model_summary_counts_and_run_summary(tmp_path, capsys):
+    module = WithFrozenPart([0.4, 0.2])
+    summary = ModelSummary(max_depth=2)
+    checkpoint = ModelCheckpoint(monitor="val/score", save_last=True)
+    make_trainer(tmp_path, [summary, checkpoint], max_epochs=2).fit(module, *loaders())
+
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert (summary.total_parameters, summary.trainable_parameters) == (total, trainable)
+    assert summary.non_trainable_parameters == module.frozen.weight.numel() + module.frozen.bias.numel()
+    rows = {layer.name: layer.parameters for layer in summary.layers}
+    assert rows["body"] == sum(p.numel() for p in module.body.parameters())
+    assert rows["body.2"] == 8 * 4 + 4 and "body.1" in rows
+    assert summary.model_size_mb == pytest.approx(total * 4 / 1e6)
+
+    out = capsys.readouterr().out
+    assert "Total params" in out and f"{total:,}" in out
+    assert "Run summary" in out and "val/score best" in out
+    assert summary.run_summary["val/score best"] == pytest.approx(0.2)
+    assert summary.run_summary["val/score last"] == pytest.approx(0.2)
+    assert summary.run_summary["val/score best checkpoint"] == checkpoint.best_model_path
+    assert summary.run_summary["train samples"] == 2 * 16
+    assert summary.run_summary["train samples/s"] > 0
+
+
+# --------------------------------------------------------------------------- RichProgressBar
+
+
+def test_progress_bar_prints_one_line_per_epoch_without_a_terminal(tmp_path, capsys):
+    make_trainer(tmp_path, max_epochs=3, enable_progress_bar=True).fit(Scripted([0.1] * 3), *loaders())
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 3
+    assert lines[2].startswith("Epoch 2/2: 4/4 batches")
+    assert "train_loss=" in lines[2] and "val/score=0.1" in lines[2] and "step=12" in lines[2]
+
+
+def test_progress_bar_draws_on_a_terminal_and_throttles_refreshes(tmp_path, monkeypatch):
+    console = Console(file=io.StringIO(), force_terminal=True, width=160)
+    make_trainer(tmp_path, [RichProgressBar(refresh_rate=0, console=console)], max_epochs=2).fit(
+        Scripted([0.1] * 2), *loaders())
+    drawn = console.file.getvalue()
+    assert "Epoch 1/1" in drawn and "train_loss=" in drawn and "it/s" in drawn
+
+    reads = []
+    original = progress_module.metrics_text
+    monkeypatch.setattr(progress_module, "metrics_text", lambda trainer: reads.append(1) or original(trainer))
+    slow_console = Console(file=io.StringIO(), force_terminal=True, width=160)
+    bar = RichProgressBar(refresh_rate=3600, console=slow_console)
+    make_trainer(tmp_path, [bar], max_epochs=2).fit(Scripted(), *loaders(samples=256, batch_size=2))
+    # 256 batches over 2 epochs, yet metrics are read only at epoch start, after validation and at epoch end.
+    assert len(reads) <= 3 * 2
+
+
+def test_progress_bar_draws_nothing_off_rank_zero(capsys):
+    console = Console(file=io.StringIO(), force_terminal=True)
+    bar = RichProgressBar(refresh_rate=0, console=console)
+    other_rank = SimpleNamespace(is_global_zero=False, sanity_checking=False)
+    bar.setup(other_rank, None, "fit")
+    bar.on_train_epoch_start(other_rank, None)
+    bar.on_validation_start(other_rank, None)
+    bar.on_train_batch_end(other_rank, None, None, None, 0)
+    bar.on_validation_end(other_rank, None)
+    bar.on_train_epoch_end(other_rank, None)
+    bar.teardown(other_rank, None, "fit")
+    assert console.file.getvalue() == "" and capsys.readouterr().out == ""
