@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from trainer.errors import MisconfigurationError, closest
+from trainer.faults import NONFINITE_MODES
 from trainer.optim import LR_SCALINGS
 from trainer.precision import PRECISIONS
 
@@ -57,6 +59,9 @@ class TrainerConfig:
     lr_warmup_steps: int = _opt(0, "Steps of linear warm-up from the base to the scaled learning rate.")
     timeout: float = _opt(1800.0, "Seconds a collective may wait before the job fails instead of hanging.")
     max_restarts: int = _opt(0, "Times the elastic agent restarts a failed multi-process job (resuming from the last checkpoint).")
+    nonfinite_loss: str = _opt("error", "A NaN/inf training loss: 'error' stops before its optimizer step, naming step and batch; "
+                               "'skip' skips that step and counts it in train/skipped_nonfinite; 'ignore' checks nothing "
+                               "(saves one host sync per step on GPU).")
     inference_mode: bool = _opt(True, "Evaluate under torch.inference_mode (else no_grad).")
 
     def __post_init__(self) -> None:
@@ -107,6 +112,8 @@ def validate(config: TrainerConfig) -> None:
     _need(config.log_every_n_steps >= 1, f"log_every_n_steps={config.log_every_n_steps} must be at least 1.")
     _need(config.num_sanity_val_steps >= -1, f"num_sanity_val_steps={config.num_sanity_val_steps} must be >= -1.")
     _need(config.max_restarts >= 0, f"max_restarts={config.max_restarts} must be >= 0.")
+    _need(config.nonfinite_loss in NONFINITE_MODES,
+          f"nonfinite_loss={config.nonfinite_loss!r} is not known; use one of {', '.join(NONFINITE_MODES)}.")
     _need(str(config.precision) in PRECISIONS, f"precision={config.precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
     config.precision = str(config.precision)
     _need(config.gradient_clip_algorithm in ("norm", "value"),
@@ -124,3 +131,74 @@ def validate(config: TrainerConfig) -> None:
         ok = (_is_int(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0)
         _need(ok, f"{key}={value!r} must be a fraction in [0.0, 1.0] or a batch count (int >= 0).")
     _need(config.val_check_interval != 0, "val_check_interval=0 would never validate; use a fraction in (0, 1] or a batch count.")
+
+
+# --------------------------------------------------------------------------- documentation and run records
+
+README_BEGIN = "<!-- trainer-options:begin (generated: `trainer config --reference --readme README.md`) -->"
+README_END = "<!-- trainer-options:end -->"
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def reference_table() -> str:
+    """A Markdown table of every trainer option (key, type, default, meaning), generated from TrainerConfig."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for item in dataclasses.fields(TrainerConfig):
+        default = item.default_factory() if item.default is dataclasses.MISSING else item.default  # type: ignore[misc]
+        kind = "any" if item.type == "Any" else str(item.type)
+        # Escaped for Markdown: a bare <name> would render as an (invisible) HTML tag.
+        meaning = str(item.metadata["help"]).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        rows.append(f"| `{item.name}` | {kind} | `{_yaml_value(default)}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def readme_reference(text: str) -> str | None:
+    """The generated table between the README's markers, or None when the markers are missing."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin == -1 or end < begin:
+        return None
+    return text[begin + len(README_BEGIN): end].strip("\n") + "\n"
+
+
+def update_readme(path: str | Path) -> bool:
+    """Rewrite the table between the README's markers; True when it changed."""
+    path = Path(path)
+    text = path.read_text()
+    if readme_reference(text) is None:
+        raise MisconfigurationError(f"{path} has no {README_BEGIN!r} ... {README_END!r} markers to write the table between.")
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    updated = f"{head}{README_BEGIN}\n{reference_table()}{README_END}{tail}"
+    if updated != text:
+        path.write_text(updated)
+    return updated != text
+
+
+def dump_yaml(plain: Any) -> str:
+    """Plain containers as YAML that omegaconf reads back to the same values (a literal '${' is escaped)."""
+    import yaml
+
+    def escape(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: escape(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [escape(item) for item in value]
+        return value.replace("${", "\\${") if isinstance(value, str) else value
+
+    return yaml.safe_dump(escape(plain), sort_keys=False, allow_unicode=True)
+
+
+def save_run_config(path: str | Path, run_config: dict[str, Any]) -> None:
+    """Write a run's resolved recipe as YAML, atomically (what `trainer fit <that file>` reruns)."""
+    from trainer.logging import _atomic_write_text
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(path, dump_yaml(run_config))

@@ -2,6 +2,9 @@
 
 The environment is read once, here, and passed down; nothing else in the framework reads these variables.
 Detection order: torchrun (and the Trainer's own launcher, which is torchrun's agent), SLURM, MPI, local.
+A launcher that started a single process (an `sbatch` script without `srun`, `mpirun -np 1`) has not
+started the job's processes, so the Trainer may start them itself. To force one answer, give the strategy
+an environment: `DDPStrategy(environment="slurm")` or `DDPStrategy(environment=ClusterEnvironment(...))`.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from trainer.errors import MisconfigurationError
@@ -27,6 +30,11 @@ class ClusterEnvironment:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    #: The master port is a TCPStore that torch's elastic agent already serves (torchrun's c10d/static
+    #: rendezvous); every rank is then a client of it, rank 0 included.
+    use_agent_store: bool = False
+    #: How many times an elastic agent restarted this job (0 on the first attempt).
+    restart_count: int = 0
 
     @property
     def launched(self) -> bool:
@@ -34,16 +42,17 @@ class ClusterEnvironment:
         return self.name != "local"
 
     def export(self) -> None:
-        """Set the variables torch.distributed's env:// rendezvous reads."""
+        """Set the variables torch.distributed's env:// rendezvous (and user code) read."""
         os.environ.update(
             MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port), RANK=str(self.global_rank),
             WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size), NODE_RANK=str(self.node_rank),
         )
 
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
     raw = env.get(key)
-    if raw is None:
+    if raw is None or raw == "":
         if default is None:
             raise MisconfigurationError(f"environment variable {key} is missing; the launcher should set it.")
         return default
@@ -63,29 +72,44 @@ def torchrun_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
         world_size=_int(env, "WORLD_SIZE"), local_world_size=local_world,
         node_rank=_int(env, "GROUP_RANK", _int(env, "RANK") // max(local_world, 1)),
         master_addr=env["MASTER_ADDR"], master_port=_int(env, "MASTER_PORT"),
+        use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
     )
+
+
+def _split_top_level(hostlist: str) -> list[str]:
+    """'a[1-2,5],b' -> ['a[1-2,5]', 'b']: commas inside brackets do not separate hosts."""
+    parts, depth, current = [], 0, ""
+    for char in hostlist:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [*parts, current]
 
 
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM_NODELIST such as 'gpu[07-09,12],cpu3' -> 'gpu07'."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
-        raise MisconfigurationError(f"cannot read SLURM_NODELIST={nodelist!r}.")
-    prefix, ranges = match.group(1), match.group(3)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    first = _split_top_level(nodelist.strip())[0].strip()
+    if not first or first.count("[") != first.count("]"):
+        raise MisconfigurationError(f"cannot read SLURM_NODELIST={nodelist!r}; set MASTER_ADDR to the first node.")
+    # Each bracket holds ranges ('07-09,12'); the first host takes the first value of each.
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], first)
 
 
 def slurm_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
     """srun: one task per process. An interactive allocation (`salloc` shell, job name 'bash') is not a launch."""
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
         return None
+    if _int(env, "SLURM_NTASKS") == 1:
+        return None  # one task: the Trainer starts the job's processes itself
     job_id = _int(env, "SLURM_JOB_ID", 0)
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
     return ClusterEnvironment(
         name="slurm", global_rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID", 0),
-        world_size=_int(env, "SLURM_NTASKS"), local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1)
-        if env.get("SLURM_NTASKS_PER_NODE", "").isdigit() else 1,
+        world_size=_int(env, "SLURM_NTASKS"), local_world_size=int(per_node) if per_node.isdigit() else 1,
         node_rank=_int(env, "SLURM_NODEID", 0),
         master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1")),
         # One port per job, so two jobs sharing a node do not collide.
@@ -103,7 +127,9 @@ def mpi_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
         local_rank, local_size = _int(env, "MPI_LOCALRANKID", 0), _int(env, "MPI_LOCALNRANKS", 1)
     else:
         return None
-    if "MASTER_ADDR" not in env and size > 1 and local_size < size:
+    if size == 1:
+        return None  # `mpirun -np 1`: the Trainer starts the job's processes itself
+    if "MASTER_ADDR" not in env and local_size < size:
         raise MisconfigurationError(
             "an MPI launch across nodes needs MASTER_ADDR (the host of rank 0), e.g. mpirun -x MASTER_ADDR=node01."
         )
@@ -114,18 +140,57 @@ def mpi_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
     )
 
 
-DETECTORS = (torchrun_environment, slurm_environment, mpi_environment)
+def local_environment(env: Mapping[str, str]) -> ClusterEnvironment:
+    """No launcher: one process, which may start the others itself (trainer/launcher.py)."""
+    return ClusterEnvironment(name="local", master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                              master_port=_int(env, "MASTER_PORT", 0) or find_free_port(),
+                              node_rank=_int(env, "NODE_RANK", 0))
+
+
+DETECTORS: dict[str, Callable[[Mapping[str, str]], ClusterEnvironment | None]] = {
+    "torchrun": torchrun_environment, "slurm": slurm_environment, "mpi": mpi_environment,
+}
 
 
 def detect_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironment:
     """The first launcher whose variables are present, else a local single-process environment."""
     env = os.environ if env is None else env
-    for detector in DETECTORS:
+    for detector in DETECTORS.values():
         found = detector(env)
-        if found is not None and found.world_size >= 1:
+        if found is not None:
             return found
-    return ClusterEnvironment(name="local", master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                              master_port=_int(env, "MASTER_PORT", 0) or find_free_port())
+    return local_environment(env)
+
+
+def resolve_environment(choice: str | ClusterEnvironment | None, env: Mapping[str, str] | None = None) -> ClusterEnvironment:
+    """`choice` as given (an instance), the named launcher's reading, or detection when None."""
+    if isinstance(choice, ClusterEnvironment):
+        return choice
+    if choice is None:
+        return detect_environment(env)
+    env = os.environ if env is None else env
+    if choice == "local":
+        return local_environment(env)
+    if choice not in DETECTORS:
+        raise MisconfigurationError(
+            f"environment={choice!r} is not known; use one of {', '.join([*DETECTORS, 'local'])} or a ClusterEnvironment."
+        )
+    found = DETECTORS[choice](env)
+    if found is None:
+        raise MisconfigurationError(f"environment={choice!r} was asked for, but its variables are not set in this process.")
+    return found
+
+
+def node_rendezvous(env: Mapping[str, str] | None = None) -> tuple[str, int, int]:
+    """(master address, master port, node rank) for a job the Trainer starts on several nodes itself."""
+    env = os.environ if env is None else env
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not env.get(key)]
+    if missing:
+        raise MisconfigurationError(
+            f"num_nodes > 1 without a launcher needs {', '.join(missing)} set on every node (the address and a free "
+            "port of node 0, and this node's rank), or start the job with torchrun, srun or mpirun."
+        )
+    return env["MASTER_ADDR"], _int(env, "MASTER_PORT"), _int(env, "NODE_RANK")
 
 
 def find_free_port() -> int:

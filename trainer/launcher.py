@@ -1,16 +1,312 @@
-"""Starting the other processes of a job when the script was not started by a launcher."""
+"""Starting the processes of a job when the script was not started by a launcher.
+
+`Trainer(strategy="ddp", devices=N)` in a script run as `python train.py` (or through the `trainer`
+command) runs torch's elastic agent, the engine behind torchrun, inside the calling process: it spawns N
+workers, each runs the stage, and the caller receives rank 0's outcome, so after `trainer.fit(module)`
+returns, `module` holds the trained weights. With `num_nodes=M > 1` the same script runs on every node
+with MASTER_ADDR and MASTER_PORT (node 0's address and a free port) and NODE_RANK set; the nodes meet
+there and node 0 holds global rank 0. `max_restarts` restarts the whole group when a worker dies.
+
+Workers are started with "spawn": each is a fresh interpreter that re-imports the script (as
+`__mp_main__`) and then unpickles the trainer, module and datamodule. Therefore:
+- the script must start training under `if __name__ == "__main__":`, or every worker would start the
+  job again; a script without that guard gets a clear error before any process starts;
+- classes defined in the script are fine (the re-import defines them again), objects that cannot be
+  pickled (lambdas, open files) are not (the error names the part that fails);
+- top-level code of the script runs once more in every worker;
+- classes defined in a notebook cannot reach the workers (nothing re-imports a notebook): import them
+  from a module, or run the script with torchrun.
+
+Each worker gets OMP_NUM_THREADS=1 and torch uses cores // local processes threads, unless the user set
+OMP_NUM_THREADS. Only rank 0 prints; the others' output goes to a temporary folder, named in the error if
+one of them fails. A worker that raises stops the job within seconds and its exception is raised here
+once, with the worker's traceback as its cause.
+"""
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import dataclasses
+import inspect
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from trainer import faults
+from trainer.environment import ClusterEnvironment, detect_environment, find_free_port, node_rendezvous
 from trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
+GUARD_HINT = 'put the code that builds the Trainer and calls fit under `if __name__ == "__main__":`'
+
+
+class WorkerTraceback(Exception):
+    """A worker's traceback, attached as the cause of the exception re-raised in the launching process."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
 
 def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     """Run `trainer._run(stage, *run_args)` on every process of the job; return rank 0's outcome."""
-    raise MisconfigurationError(f"strategy {trainer.strategy.name!r} needs {trainer.strategy.job_size} processes, "
-                                "but no multi-process launcher is available yet.")
+    strategy = trainer.strategy
+    _refuse_unguarded_main(strategy.job_size)
+    nproc, num_nodes = strategy.processes_per_node(), strategy.num_nodes
+    # Every worker (and a restarted one) must write to the same run folder: decide it once, here.
+    for logger in trainer.loggers:
+        _ = logger.version
+    _ = trainer.log_dir
+    payload = _pickle_job(trainer, stage, run_args)
+    workdir = Path(tempfile.mkdtemp(prefix="trainer-launch-"))
+    config, node_rank = _launch_config(trainer, nproc, num_nodes, workdir)
+    threads = 0 if "OMP_NUM_THREADS" in os.environ else max(1, _cores() // nproc)
+    try:
+        with _restored_process_state(), _quiet_agent_logs():
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            returns = elastic_launch(config, run_worker)(payload, str(workdir), threads)
+    except SignalException as err:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if err.sigval != signal.SIGTERM:
+            raise
+        # Preempted: the agent forwarded SIGTERM and waited for the workers, which saved last.ckpt first.
+        raise faults.Terminated(faults.SIGTERM_EXIT_CODE) from None
+    except ChildFailedError as err:
+        if all(f.exitcode == faults.SIGTERM_EXIT_CODE for f in err.failures.values()):
+            shutil.rmtree(workdir, ignore_errors=True)  # the workers alone got SIGTERM and saved
+            raise faults.Terminated(faults.SIGTERM_EXIT_CODE) from None
+        failure, keep_output = _job_failure(err, workdir, nproc * num_nodes, strategy.reporting_rank)
+        if not keep_output:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise failure from failure.__cause__  # the worker's traceback, not the agent's report
+    except (RendezvousError, torch.distributed.DistError) as err:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise MisconfigurationError(
+            f"node {node_rank} could not meet the other nodes at {config.rdzv_endpoint} ({_first_line(err)}); "
+            "check MASTER_ADDR, MASTER_PORT and NODE_RANK on every node."
+        ) from err
+    shutil.rmtree(workdir, ignore_errors=True)
+    # The reporting rank (rank 0 unless the loop's rank 0 lives elsewhere, as ps's chief) when it ran here.
+    first = returns.get(strategy.reporting_rank, returns.get(node_rank * nproc))
+    return pickle.loads(first) if first is not None else {"result": None}
+
+
+def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:
+    """The entry point of every worker: unpickle the job, run the stage, hand back the outcome."""
+    environment = detect_environment()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        trainer, stage, run_args = pickle.loads(payload)
+        outcome = trainer._run(stage, *run_args)
+    except faults.Terminated:
+        raise  # SIGTERM: the checkpoint is saved; exit with its code, there is no failure to report
+    except BaseException as err:  # noqa: BLE001 - every failure must reach the launching process
+        _record_failure(Path(workdir), environment, err)
+        # Exit without printing: the launching process shows the first failure once.
+        raise SystemExit(1) from None
+    reports = environment.local_rank == 0 or environment.global_rank == trainer.strategy.reporting_rank
+    return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL) if reports else None
+
+
+# --------------------------------------------------------------------------- before the launch
+
+
+def _refuse_unguarded_main(job_size: int) -> None:
+    """A clear error when the workers' re-import of the script would start the job again."""
+    if _in_spawn_bootstrap():
+        # We are a worker re-importing a script whose guard the check below could not see.
+        raise SystemExit(f"trainer: the script started the job again while a worker imported it; {GUARD_HINT}.")
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return  # called from an interactive session or `python -c`: nothing is re-imported
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    del frame
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if isinstance(node, ast.If) and _tests_dunder_name(node.test) and node.lineno <= line <= (node.end_lineno or line):
+            return
+    raise MisconfigurationError(
+        f"{path}:{line} starts a {job_size}-process job at the top level of the script, but every worker process "
+        f"re-imports the script; {GUARD_HINT}."
+    )
+
+
+def _tests_dunder_name(test: ast.expr) -> bool:
+    return any(isinstance(node, ast.Name) and node.id == "__name__" for node in ast.walk(test))
+
+
+def _in_spawn_bootstrap() -> bool:
+    # multiprocessing flags a spawned child while it re-imports the parent's main module (and refuses to
+    # start processes then); the flag is private, so it is read here only, defensively.
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _pickle_job(trainer: Trainer, stage: str, run_args: tuple[Any, ...]) -> bytes:
+    """The job as bytes for the workers; a clear error naming the part that cannot be pickled."""
+    try:
+        return pickle.dumps((trainer, stage, run_args), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as err:  # noqa: BLE001 - pickling raises many types (TypeError, PicklingError, AttributeError)
+        module, datamodule, _ckpt, *loaders = run_args
+        parts = {"module": module, "datamodule": datamodule, **{f"dataloader {i}": v for i, v in enumerate(loaders)},
+                 **{f"callback {type(c).__name__}": c for c in trainer.callbacks},
+                 **{f"logger {type(lg).__name__}": lg for lg in trainer.loggers}, "strategy": trainer.strategy}
+        culprit = next((name for name, part in parts.items() if not _picklable(part)), "trainer")
+        raise MisconfigurationError(
+            f"the worker processes need a pickled copy of the {culprit}, which cannot be pickled ({_first_line(err)}); "
+            "define classes at module level and keep lambdas, open files and locks out of its attributes."
+        ) from err
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) -> tuple[LaunchConfig, int]:
+    """The elastic agent's settings, and this node's rank."""
+    if num_nodes == 1:
+        node_rank, backend, endpoint, rdzv_configs = 0, "c10d", f"127.0.0.1:{find_free_port()}", {}
+        run_id = f"trainer-{uuid.uuid4().hex[:12]}"
+    else:
+        # The static rendezvous honours NODE_RANK (c10d would number nodes by arrival), so the node at
+        # MASTER_ADDR holds global rank 0, where checkpoints and logs are written.
+        addr, port, node_rank = node_rendezvous()
+        backend, endpoint = "static", f"{addr}:{port}"
+        rdzv_configs = {"rank": node_rank, "timeout": int(trainer.config.timeout)}
+        run_id = f"trainer-{addr}-{port}"  # the agents' keys live under the run id: the same on every node
+    shown = trainer.strategy.reporting_rank - node_rank * nproc  # this node's local rank of it, if here
+    quiet = [local for local in range(nproc) if local != shown]
+    options: dict[str, Any] = {}
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        options["shutdown_timeout"] = 10  # seconds a stopped worker gets before SIGKILL
+    config = LaunchConfig(
+        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
+        max_restarts=trainer.config.max_restarts, monitor_interval=0.25, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "output"), redirects={r: Std.ALL for r in quiet}),
+        **options,
+    )
+    return config, node_rank
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _restored_process_state() -> Iterator[None]:
+    """Give the caller back its environment variables and signal handlers, which the agent changes."""
+    saved_env = dict(os.environ)
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved_handlers = {sig: signal.getsignal(sig) for name in names if (sig := getattr(signal, name, None)) is not None}
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for sig, handler in saved_handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _quiet_agent_logs() -> Iterator[None]:
+    """Silence the agent's own logging (each failing worker, each shutdown step); failures are raised here."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(("torch.distributed", "torch.multiprocessing"))]
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, saved):
+            logger.setLevel(level)
+
+
+# --------------------------------------------------------------------------- after a failure
+
+
+def _record_failure(workdir: Path, environment: ClusterEnvironment, err: BaseException) -> None:
+    """Leave this worker's exception where the launching process looks for it."""
+    rank = environment.global_rank
+    record: dict[str, Any] = {
+        "rank": rank, "attempt": environment.restart_count, "time": time.time(), "type": type(err).__name__, "message": str(err),
+        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__)),
+    }
+    with contextlib.suppress(Exception):
+        pickled = pickle.dumps(err)
+        pickle.loads(pickled)  # only an exception that survives the round trip can be re-raised as is
+        record["exception"] = pickled
+    path = workdir / f"failure_attempt{environment.restart_count}_rank{rank}.pkl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(record))
+    os.replace(tmp, path)
+
+
+def _job_failure(err: ChildFailedError, workdir: Path, world_size: int, shown_rank: int) -> tuple[BaseException, bool]:
+    """The exception to raise for a failed job (the first failing rank's, shown once); keep the output?"""
+    records = [pickle.loads(path.read_bytes()) for path in workdir.glob("failure_*.pkl")]
+    if records:  # after elastic restarts, the last attempt's failure is the one that ended the job
+        last_attempt = max(r["attempt"] for r in records)
+        records = [r for r in records if r["attempt"] == last_attempt]
+    # A worker killed by a signal (out of memory, a kill from outside) leaves no record; the errors the
+    # others then raise (a peer closed the connection) are consequences, so the signal is the cause.
+    killed = sorted(rank for rank, failure in err.failures.items() if failure.exitcode < 0)
+    output = f" Worker output: {workdir / 'output'}."
+    if killed or not records:
+        rank = killed[0] if killed else err.get_first_failure()[0]
+        failure = err.failures[rank]
+        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        return RuntimeError(f"rank {rank} of {world_size} {how}, so the job was stopped.{output}"), True
+    record = min(records, key=lambda r: r["time"])
+    rank = record["rank"]
+    where = output if rank != shown_rank else ""  # a quiet rank's output is only in its log files
+    remote = WorkerTraceback(f"rank {rank} of {world_size} failed; its traceback:\n\n{record['traceback'].rstrip()}")
+    original = pickle.loads(record["exception"]) if "exception" in record else None
+    if isinstance(original, MisconfigurationError):
+        return MisconfigurationError(f"{original} (raised on rank {rank})"), False
+    if isinstance(original, BaseException):
+        original.__cause__ = remote
+        if hasattr(original, "add_note"):
+            original.add_note(f"(raised on rank {rank} of {world_size}; the other ranks were stopped.{where})")
+        return original, bool(where)
+    error = RuntimeError(f"rank {rank} of {world_size} failed with {record['type']}: {record['message']}.{where}")
+    error.__cause__ = remote
+    return error, bool(where)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]

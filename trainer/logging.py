@@ -6,18 +6,27 @@ import csv
 import io
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import OmegaConf
-from torchmetrics import Metric
 
 from trainer.errors import MisconfigurationError
 
+if TYPE_CHECKING:
+    from torchmetrics import Metric
+
 REDUCE_FXS = ("mean", "sum", "max", "min")
+
+
+def _is_metric(value: Any) -> bool:
+    # Importing torchmetrics costs about as much as importing torch itself (it pulls in scipy), so it is
+    # never imported here: a value can only be a Metric if its user already imported torchmetrics.
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
 
 
 def _batch_value(metric: Metric) -> torch.Tensor:
@@ -76,7 +85,7 @@ class MetricCollector:
         if entry is None:
             entry = self._entries[name] = _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
         entry.updated = True
-        if isinstance(value, Metric):
+        if _is_metric(value):
             entry.metric = value
             entry.step_value = _batch_value(value).detach() if on_step else None
             return
@@ -141,6 +150,23 @@ class MetricCollector:
         if entry.sync_dist:  # a weighted mean over every rank's samples, not a mean of rank means
             total_and_weight = self._reduce(total_and_weight, "sum")
         return total_and_weight[0] / total_and_weight[1]
+
+    _SAVED_FIELDS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight", "updated")
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """The running epoch aggregates of plain values, so an epoch resumed mid-way reports whole-epoch values.
+
+        torchmetrics Metrics are not included: their states belong to the Metric (make them persistent).
+        """
+        return {
+            name: {key: getattr(entry, key) for key in self._SAVED_FIELDS}
+            for name, entry in self._entries.items()
+            if entry.updated and entry.metric is None and entry.total is not None
+        }
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        for name, saved in state.items():
+            self._entries[name] = _Entry(**{key: saved[key] for key in self._SAVED_FIELDS})
 
     def clear_step(self) -> None:
         for entry in self._entries.values():
@@ -231,6 +257,9 @@ class CSVLogger(Logger):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         plain = {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
                  for k, v in params.items()}
+        # Imported when first needed, so `import trainer` costs little more than `import torch`.
+        from omegaconf import OmegaConf
+
         _atomic_write_text(self.log_dir / "hparams.yaml", OmegaConf.to_yaml(OmegaConf.create(plain)))
 
     def save(self) -> None:
@@ -263,7 +292,9 @@ class CSVLogger(Logger):
         if self.metrics_path.exists():
             with open(self.metrics_path, newline="") as f:
                 for row in csv.DictReader(f):
-                    self.rows.append({k: (float(v) if k != "step" else int(float(v))) for k, v in row.items() if v != ""})
+                    # step and epoch were written as ints: read them back as ints, or the rewrite says "0.0".
+                    self.rows.append({k: int(float(v)) if k in ("step", "epoch") else float(v)
+                                      for k, v in row.items() if v != ""})
         self.rows = self.rows[: state.get("rows", len(self.rows))]
         self._columns, self._written = [], 0  # forces a rewrite that drops rows logged after the checkpoint
 
@@ -292,6 +323,8 @@ class TensorBoardLogger(Logger):
             self.writer.add_scalar(key, value, step)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        from omegaconf import OmegaConf
+
         self.writer.add_text("hparams", OmegaConf.to_yaml(OmegaConf.create({k: repr(v) for k, v in params.items()})))
 
     def save(self) -> None:

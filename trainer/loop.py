@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from trainer.data import set_epoch, skip_batches
 from trainer.errors import MisconfigurationError
+from trainer.faults import StepGuard
 from trainer.optim import step_scheduler
 
 if TYPE_CHECKING:
@@ -36,15 +38,22 @@ class Progress:
             self.epoch, self.epoch_batches, self.epoch_done = self.epoch + 1, 0, False
 
 
-def batch_limit(loader: DataLoader, limit: int | float) -> int:
-    """How many batches of `loader` a stage runs: a count, or a fraction of its length."""
+def batch_limit(loader: DataLoader, limit: int | float) -> int | float:
+    """How many batches of `loader` a stage runs: a count, or a fraction of its length (math.inf: until exhausted)."""
     try:
         length = len(loader)
     except TypeError:  # an IterableDataset without __len__
         length = math.inf
     if isinstance(limit, int) and not isinstance(limit, bool):
         return int(min(limit, length))
-    return int(length * limit) if length != math.inf else (int(length) if limit == 1.0 else 0)
+    if length != math.inf:
+        return int(length * limit)
+    if limit not in (0.0, 1.0):
+        raise MisconfigurationError(
+            f"a batch limit of {limit} (a fraction) needs a dataloader with a length; this one has none, "
+            "so give a batch count (an int) instead."
+        )
+    return math.inf if limit == 1.0 else 0
 
 
 def batch_size_of(batch: Any) -> int:
@@ -64,9 +73,10 @@ def batch_size_of(batch: Any) -> int:
 # --------------------------------------------------------------------------- fit
 
 
-def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataLoader]) -> None:
+def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataLoader], guard: StepGuard | None = None) -> None:
     """Epochs of training with validation at the configured points."""
     config, progress, module = trainer.config, trainer.progress, trainer.module
+    guard = guard or StepGuard(trainer)
     num_batches = batch_limit(train_loader, config.limit_train_batches)
     if num_batches == 0:
         raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
@@ -89,25 +99,29 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             raise MisconfigurationError("this dataloader cannot resume mid-epoch; checkpoint at epoch ends instead.")
         trainer.metrics.stage, trainer.metrics.in_step = "train", True
         trainer.call("on_train_epoch_start")
-        for batch_idx, batch in enumerate(train_loader, start=progress.epoch_batches):
-            if batch_idx >= num_batches:
-                break
-            _train_batch(trainer, batch, batch_idx, num_batches)
-            if (batch_idx + 1) % val_every == 0 and (batch_idx + 1) < num_batches:
+        finished = False
+        for batch_idx, batch, is_last in _epoch_batches(train_loader, progress.epoch_batches, num_batches):
+            _train_batch(trainer, guard, batch, batch_idx, is_last)
+            finished = is_last and progress.epoch_batches == batch_idx + 1
+            if (batch_idx + 1) % val_every == 0 and not is_last:
                 _validate_if_due(trainer, val_loaders)
-            if trainer.should_stop and progress.epoch + 1 >= config.min_epochs or _steps_done(trainer):
+            guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
+            # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
+            if trainer.should_stop and progress.epoch >= config.min_epochs or _steps_done(trainer):
                 break
         else:
             if progress.epoch_batches == 0:
                 raise MisconfigurationError("the training dataloader yielded no batches in this epoch.")
-        progress.epoch_done = progress.epoch_batches >= num_batches
+            finished = True
+        progress.epoch_done = finished
         if progress.epoch_done or _steps_done(trainer):
             _validate_if_due(trainer, val_loaders)
         trainer.metrics.in_step = False
         trainer.publish_epoch_metrics()
         # Epoch schedulers step before on_train_epoch_end, where checkpoints are written, so a
         # checkpoint taken at the epoch's end already holds the scheduler state of the next epoch.
-        for scheduler in trainer.lr_scheduler_configs:
+        # Under manual optimization the user steps schedulers (as in Lightning); stepping here would double them.
+        for scheduler in trainer.lr_scheduler_configs if module.automatic_optimization else ():
             if scheduler.interval == "epoch" and progress.epoch_done and (progress.epoch + 1) % scheduler.frequency == 0:
                 step_scheduler(scheduler, trainer.callback_metrics)
         trainer.call("on_train_epoch_end")
@@ -118,10 +132,41 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     trainer.call("on_train_end")
 
 
-def _val_every(interval: int | float, num_batches: int) -> int:
+def _val_every(interval: int | float, num_batches: int | float) -> int | float:
+    if isinstance(interval, float) and num_batches == math.inf:
+        if interval != 1.0:
+            raise MisconfigurationError(
+                f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no "
+                "length; give a batch count (an int) or 1.0 (validate at each epoch end)."
+            )
+        return math.inf
     if isinstance(interval, float):
         return max(1, int(num_batches * interval))
     return max(1, interval)
+
+
+def _epoch_batches(loader: DataLoader, start: int, num_batches: int | float) -> Iterator[tuple[int, Any, bool]]:
+    """(batch_idx, batch, is_last) for the epoch's batches from `start` on.
+
+    With a known length nothing is fetched beyond the last batch; without one (an IterableDataset) the
+    next batch is fetched one step early, the only way to know that the current one ends the epoch (its
+    accumulated gradients must be stepped on, and not leak into the next epoch).
+    """
+    if num_batches != math.inf:
+        # zip stops on the range first, so the loader is never asked for a batch past the limit.
+        for batch_idx, batch in zip(range(start, int(num_batches)), loader):
+            yield batch_idx, batch, batch_idx + 1 == num_batches
+        return
+    iterator = iter(loader)
+    try:
+        batch = next(iterator)
+    except StopIteration:
+        return
+    batch_idx = start
+    for following in iterator:
+        yield batch_idx, batch, False
+        batch, batch_idx = following, batch_idx + 1
+    yield batch_idx, batch, True
 
 
 def _steps_done(trainer: Trainer) -> bool:
@@ -135,7 +180,7 @@ def _done(trainer: Trainer, max_epochs: int) -> bool:
     return trainer.should_stop and progress.epoch >= config.min_epochs
 
 
-def _train_batch(trainer: Trainer, batch: Any, batch_idx: int, num_batches: int) -> None:
+def _train_batch(trainer: Trainer, guard: StepGuard, batch: Any, batch_idx: int, is_last: bool) -> None:
     """One micro-batch; every accumulate_grad_batches (and at the epoch's end) an optimizer step."""
     strategy, module, config, progress = trainer.strategy, trainer.module, trainer.config, trainer.progress
     batch = strategy.batch_to_device(batch)
@@ -149,7 +194,7 @@ def _train_batch(trainer: Trainer, batch: Any, batch_idx: int, num_batches: int)
     else:
         accumulate = config.accumulate_grad_batches
         # The epoch's tail may hold fewer than `accumulate` micro-batches; step on it anyway.
-        stepping = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == num_batches
+        stepping = (batch_idx + 1) % accumulate == 0 or is_last
         # Gradients only need to be synchronised on the micro-batch that steps.
         with strategy.no_backward_sync(skip=not stepping):
             outputs = strategy.forward_backward(
@@ -157,7 +202,9 @@ def _train_batch(trainer: Trainer, batch: Any, batch_idx: int, num_batches: int)
                 before_backward=lambda loss: trainer.call("on_before_backward", loss),
             )
         trainer.call("on_after_backward")
-        if stepping:
+        guard.record(outputs, batch_idx)
+        # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
+        if stepping and guard.allow_step():
             _optimizer_step(trainer)
     progress.epoch_batches = batch_idx + 1
     trainer.publish_step_metrics()

@@ -106,20 +106,24 @@ class LRScaler:
             if hasattr(config.scheduler, "base_lrs"):
                 config.scheduler.base_lrs = [lr * self.factor for lr in config.scheduler.base_lrs]
 
-    @contextlib.contextmanager
-    def warmup(self, optimizer: Optimizer, step: int) -> Iterator[None]:
+    def warmup(self, optimizer: Optimizer, step: int) -> contextlib.AbstractContextManager:
         """Lower the rate for this step while warming up; restore it afterwards."""
         if self.factor == 1.0 or step >= self.warmup_steps:
-            yield
-            return
-        ratio = (1.0 + (self.factor - 1.0) * step / self.warmup_steps) / self.factor
+            return contextlib.nullcontext()  # every step after warm-up: no generator to build
+        return self._lowered(optimizer, (1.0 + (self.factor - 1.0) * step / self.warmup_steps) / self.factor)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _lowered(optimizer: Optimizer, ratio: float) -> Iterator[None]:
+        rates = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["lr"] *= ratio
         try:
             yield
         finally:
-            for group in optimizer.param_groups:
-                group["lr"] /= ratio
+            # Restore the saved rates: `lr * ratio / ratio` is not always `lr` in floating point.
+            for group, rate in zip(optimizer.param_groups, rates):
+                group["lr"] = rate
 
 
 def current_lrs(optimizers: list[Optimizer]) -> dict[str, float]:

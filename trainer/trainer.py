@@ -11,11 +11,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from callbacks.base import Callback
-from trainer import launcher
+from trainer import faults, launcher
 from trainer.checkpoint import CHECKPOINT_VERSION
-from trainer.config import TrainerConfig, make_config
+from trainer.config import TrainerConfig, make_config, save_run_config
 from trainer.data import DataModule, as_loader_list
-from trainer.environment import detect_environment
 from trainer.errors import CheckpointError, MisconfigurationError
 from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogger, next_version
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
@@ -40,6 +39,7 @@ class Trainer:
         # Validated here, in the calling process, before any worker starts.
         self.strategy: Strategy = build_strategy(self.config.strategy)
         self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
+        self.strategy.timeout = float(self.config.timeout)
         self.loggers: list[Logger] = self._build_loggers(self.config.logger)
         self.callbacks: list[Callback] = self._with_default_callbacks(list(callbacks or []))
         self.progress = Progress()
@@ -57,6 +57,9 @@ class Trainer:
         self.stage: str | None = None
         self.num_training_batches = 0
         self._last_logged_step = -1
+        self._hook_targets: dict[str, tuple[list[Any], Any]] = {}  # hook -> (callback methods, module method)
+        #: The resolved recipe (set by the `trainer` command); rank 0 saves it as config.yaml in the run folder.
+        self.run_config: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ construction helpers
     def _apply_fast_dev_run(self) -> None:
@@ -165,10 +168,22 @@ class Trainer:
     # ------------------------------------------------------------------ hooks and metrics
     def call(self, hook: str, *args: Any) -> Any:
         """Fire `hook` on every callback, then on the module (where it has one); return the module's answer."""
-        for callback in self.callbacks:
-            getattr(callback, hook)(self, self.module, *args)
+        targets = self._hook_targets.get(hook)
+        if targets is None:
+            targets = self._hook_targets[hook] = self._resolve_hook(hook)
+        for method in targets[0]:
+            method(self, self.module, *args)
+        return targets[1](*args) if targets[1] is not None else None
+
+    def _resolve_hook(self, hook: str) -> tuple[list[Any], Any]:
+        """The callbacks and module methods that override `hook`: the loop fires six hooks a step, and
+        skipping the base classes' empty bodies keeps that dispatch off the per-step profile."""
+        methods = [getattr(c, hook) for c in self.callbacks]
+        methods = [m for m in methods if getattr(m, "__func__", None) is not getattr(Callback, hook, None)]
         module_hook = getattr(self.module, hook, None)
-        return module_hook(*args) if module_hook is not None else None
+        if getattr(module_hook, "__func__", None) is getattr(TrainModule, hook, object()):
+            module_hook = None  # TrainModule's hooks are empty
+        return methods, module_hook
 
     def publish_step_metrics(self) -> None:
         """Make this step's logged values visible to callbacks and the bar; write them every n steps."""
@@ -250,7 +265,7 @@ class Trainer:
         if datamodule is not None and not isinstance(datamodule, DataModule):
             raise MisconfigurationError(f"datamodule must be a DataModule; got {type(datamodule).__name__}.")
 
-    def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
+    def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | faults.NewestCheckpoint | None:
         if ckpt_path is None:
             return None
         if ckpt_path == "best":
@@ -264,7 +279,8 @@ class Trainer:
                 raise MisconfigurationError(
                     f'ckpt_path="last": no last.ckpt under {Path(self.config.default_root_dir) / self.config.name}.'
                 )
-            return found
+            # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's newest good checkpoint.
+            return faults.NewestCheckpoint(found.parent)
         path = Path(ckpt_path)
         if not path.is_file():
             raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
@@ -281,7 +297,7 @@ class Trainer:
     def _dispatch(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
                   *loaders: Any) -> Any:
         """Run here, or start the job's processes and adopt rank 0's result."""
-        environment = detect_environment()
+        environment = self.strategy.detect_environment()
         if self.strategy.job_size > 1 and not environment.launched:
             outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
             self._adopt(module, outcome)
@@ -292,14 +308,18 @@ class Trainer:
     def _run(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
              *loaders: Any, environment: Any = None) -> dict[str, Any]:
         strategy = self.strategy
-        strategy.setup_environment(environment or detect_environment())
+        strategy.setup_environment(environment or strategy.detect_environment())
+        if strategy.serve():  # a rank whose role is not the loop (a parameter server) served until the job ended
+            strategy.teardown()
+            return {"result": None}
         self.stage, self.module, self.datamodule, self.should_stop = stage, module, datamodule, False
+        self._hook_targets = {}  # callbacks and module are fixed for the run from here on
         if self.config.seed is not None:
             seed_everything(self.config.seed, self.config.deterministic)
         module._trainer = self
         self.metrics = MetricCollector(strategy.reduce)
         try:
-            checkpoint = strategy.load_checkpoint(ckpt) if ckpt is not None else None
+            checkpoint = faults.load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
             stage_loaders = self._stage_loaders(stage, datamodule, loaders)
             strategy.setup_module(module)
@@ -307,16 +327,22 @@ class Trainer:
                 self._setup_optimizers(module)
             for callback in self.callbacks:
                 callback.setup(self, module, stage)
+            if stage == "fit":  # an elastic restart continues from the newest good checkpoint of this run
+                checkpoint = faults.resume_after_restart(self, checkpoint)
             if checkpoint is not None:
                 self._restore(checkpoint, full=stage == "fit")
             result = self._run_stage(stage, stage_loaders)
             outcome = {"result": result}
-            if strategy.is_global_zero and strategy.job_size > 1:
-                outcome["state"] = self._state_for_caller()
+            if strategy.job_size > 1:
+                # Every rank joins: gathering a split model's weights (pipeline) is a collective.
+                state = self._state_for_caller()
+                if strategy.is_global_zero:
+                    outcome["state"] = state
             return outcome
         except BaseException as exception:
             for callback in self.callbacks:
                 callback.on_exception(self, module, exception)
+            faults.raise_if_collective_timeout(exception, strategy)  # gloo's socket message -> the operation
             raise
         finally:
             for callback in self.callbacks:
@@ -332,7 +358,8 @@ class Trainer:
         config = self.config
         if stage == "fit":
             self.call("on_fit_start")
-            fit_loop(self, loaders[0], loaders[1:])
+            with faults.StepGuard(self) as guard:  # SIGTERM and non-finite losses, settled at optimizer steps
+                fit_loop(self, loaders[0], loaders[1:], guard)
             self.call("on_fit_end")
             return None
         if stage == "predict":
@@ -352,6 +379,8 @@ class Trainer:
         if self.is_global_zero and self.module is not None:
             for logger in self.loggers:
                 logger.log_hyperparams(dict(self.module.hparams))
+        if self.is_global_zero and self.run_config is not None and not self.config.fast_dev_run:
+            save_run_config(self.log_dir / "config.yaml", self.run_config)
 
     def _stage_loaders(self, stage: str, datamodule: DataModule | None, loaders: tuple[Any, ...]) -> list[DataLoader]:
         """The stage's loaders (train first, then val, for fit), prepared for this rank."""
@@ -378,6 +407,12 @@ class Trainer:
         workers = self.strategy.data_parallel_size * self.config.accumulate_grad_batches
         self.lr_scaler = LRScaler(self.config.lr_scaling, workers, self.config.lr_warmup_steps)
         self.lr_scaler.apply(self.optimizers, schedulers)
+        if self.lr_scaler.factor != 1.0 and self.is_global_zero:
+            rates = ", ".join(f"{group['lr']:.4g}" for opt in self.optimizers for group in opt.param_groups)
+            warmup = f", reached by linear warm-up over {self.config.lr_warmup_steps} steps" if self.config.lr_warmup_steps else ""
+            print(f"lr_scaling={self.config.lr_scaling}: learning rates x{self.lr_scaler.factor:g} (data-parallel size "
+                  f"{self.strategy.data_parallel_size} x accumulate_grad_batches {self.config.accumulate_grad_batches})"
+                  f" -> {rates}{warmup}")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path) -> None:
@@ -397,7 +432,11 @@ class Trainer:
             "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in self.optimizers],
             "lr_schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
             "precision": strategy.precision.state_dict(),
-            "loops": {"progress": self.progress.state_dict(), "seed": self.config.seed or 0},
+            "loops": {
+                "progress": self.progress.state_dict(), "seed": self.config.seed or 0,
+                # Per rank, like rng: each rank's running epoch means of self.log values.
+                "metrics": strategy.all_gather_object(self.metrics.state_dict() if self.metrics is not None else {}),
+            },
             "callbacks": {callback.state_key: callback.state_dict() for callback in self.callbacks},
             "loggers": [logger.state_dict() for logger in self.loggers],
             "rng": strategy.all_gather_object(rng_state()),
@@ -426,12 +465,18 @@ class Trainer:
             raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers ({err}).") from err
         self.strategy.precision.load_state_dict(checkpoint.get("precision", {}))
         self.progress.load_state_dict(checkpoint["loops"]["progress"])
+        # The checkpoint's step was already written (if due) before it was saved; a micro-batch that
+        # follows it without stepping must not write a second row for the same step.
+        self._last_logged_step = self.progress.global_step
         saved = checkpoint.get("callbacks", {})
         for callback in self.callbacks:
             if callback.state_key in saved:
                 callback.load_state_dict(saved[callback.state_key])
         if self.datamodule is not None:
             self.datamodule.load_state_dict(checkpoint.get("datamodule", {}))
+        metric_states = checkpoint["loops"].get("metrics", [])
+        if metric_states and self.metrics is not None:
+            self.metrics.load_state_dict(metric_states[self.global_rank] if len(metric_states) == self.world_size else metric_states[0])
         states = checkpoint.get("rng", [])
         if states:
             set_rng_state(states[self.global_rank] if len(states) == self.world_size else states[0])

@@ -7,10 +7,18 @@ from typing import Any
 
 from trainer.errors import MisconfigurationError, closest
 from trainer.strategies.base import Strategy
+from trainer.strategies.ddp import DDPStrategy
+from trainer.strategies.dp import DataParallelStrategy
+from trainer.strategies.pipeline import PipelineStrategy
+from trainer.strategies.ps import ParameterServerStrategy
 from trainer.strategies.single import SingleDeviceStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
+    "dp": DataParallelStrategy,
+    "ddp": DDPStrategy,
+    "pipeline": PipelineStrategy,
+    "ps": ParameterServerStrategy,
 }
 
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer.checkpoint import load_checkpoint_file, save_checkpoint_file, strip_prefixes
+from trainer.checkpoint import load_checkpoint_file, save_checkpoint_file
 from trainer.data import prepare_loader
-from trainer.environment import ClusterEnvironment
+from trainer.environment import ClusterEnvironment, detect_environment
 from trainer.errors import MisconfigurationError
 from trainer.precision import Precision
 
@@ -67,6 +67,9 @@ class Strategy:
 
     #: The registry name (`Trainer(strategy=name)`).
     name: ClassVar[str] = ""
+    #: Every rank takes each optimizer step together (ddp, pipeline), so a per-step collective is safe; False
+    #: for workers that run at their own pace (ps), which then settle SIGTERM and NaN losses each on its own.
+    steps_in_lockstep: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.accelerator = "cpu"
@@ -74,6 +77,7 @@ class Strategy:
         self.num_nodes = 1
         self.precision = Precision()
         self.environment = ClusterEnvironment(name="local")
+        self.timeout = 1800.0  # seconds a collective may wait (the Trainer sets its `timeout` option here)
         self.root_device = torch.device("cpu")
         self.module: TrainModule | None = None  # the user's module, unwrapped
         self.model: nn.Module | None = None  # what the steps run through (a wrapper or the module)
@@ -95,6 +99,10 @@ class Strategy:
     def job_size(self) -> int:
         return self.processes_per_node() * self.num_nodes
 
+    def detect_environment(self) -> ClusterEnvironment:
+        """Who launched this process (a strategy may take an override, e.g. DDPStrategy(environment=...))."""
+        return detect_environment()
+
     def setup_environment(self, environment: ClusterEnvironment) -> None:
         """Join the job (process group), pick this process's device."""
         self.environment = environment
@@ -103,6 +111,16 @@ class Strategy:
             torch.cuda.set_device(self.root_device)
         else:
             self.root_device = torch.device("cpu")
+
+    def serve(self) -> bool:
+        """Run this rank's part when it is not the loop (a parameter server answering the workers) until the
+        job ends; True when it did, and the Trainer then skips the stage on this rank."""
+        return False
+
+    @property
+    def reporting_rank(self) -> int:
+        """The global rank whose console output the launcher shows and whose final state the caller adopts."""
+        return 0
 
     def teardown(self) -> None:
         """Release wrappers and the process group; must leave no thread or group behind."""
@@ -219,7 +237,9 @@ class Strategy:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model under plain keys (gathered when it is split), identical across strategies."""
         assert self.module is not None
-        return strip_prefixes(self.module.state_dict())
+        # self.module is the unwrapped user module, so its keys are already plain; stripping 'module.'
+        # here would mangle a user's own submodule named `module` and break strict loading on resume.
+        return dict(self.module.state_dict())
 
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         assert self.module is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import Any
 
 import torch
@@ -19,16 +20,60 @@ def default_backend(device_type: str) -> str:
 
 
 def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s: float) -> None:
-    """Join the job's default process group through env:// (the variables the environment exports)."""
+    """Join the job's default process group; a clear error for a busy port or a master out of reach."""
     if not dist.is_available():
         raise MisconfigurationError("this torch build has no torch.distributed; install a build that has it.")
     if dist.is_initialized():
         return
     environment.export()
-    dist.init_process_group(
-        backend=backend, init_method="env://", rank=environment.global_rank, world_size=environment.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = job_store(environment, timeout)
+    # torch keys the default group's rendezvous the same way every time, so a group created after an
+    # earlier one was destroyed (fit, then test) would read the old group's addresses and fail to
+    # connect; each generation of groups gets its own key prefix, agreed through a counter in the store.
+    counter = f"trainer/attempt_{environment.restart_count}/groups"
+    generation = (store.add(counter, 1) - 1) // environment.world_size
+    prefixed = dist.PrefixStore(f"trainer/attempt_{environment.restart_count}/group_{generation}/", store)
+    dist.init_process_group(backend=backend, store=prefixed, rank=environment.global_rank,
+                            world_size=environment.world_size, timeout=timeout)
+
+
+_STORE: tuple[tuple[str, int, bool], dist.Store] | None = None  # this process's rendezvous store, kept for reuse
+
+
+def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta) -> dist.Store:
+    """The job's TCPStore: served by rank 0 (or already by torch's elastic agent); one per process.
+
+    It outlives process groups so that a group built after another was destroyed meets the same store.
+    """
+    global _STORE
+    key = (environment.master_addr, environment.master_port, environment.use_agent_store)
+    if _STORE is not None and _STORE[0] == key:
+        return _STORE[1]
+    addr, port = environment.master_addr, environment.master_port
+    try:
+        socket.getaddrinfo(addr, port)
+    except socket.gaierror as err:
+        raise MisconfigurationError(
+            f"the master address {addr!r} (from {environment.name}) cannot be resolved ({err.strerror}); "
+            "set MASTER_ADDR to the host name or IP of the node that runs rank 0."
+        ) from err
+    serves = environment.global_rank == 0 and not environment.use_agent_store
+    try:
+        store = dist.TCPStore(addr, port, environment.world_size, serves, timeout=timeout, wait_for_workers=False)
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" in str(err):
+            raise MisconfigurationError(
+                f"port {port} on {addr} is already in use, so rank 0 cannot serve the job's rendezvous there; "
+                "set MASTER_PORT to a free port (or stop the process holding it)."
+            ) from err
+        raise MisconfigurationError(
+            f"rank {environment.global_rank} could not reach the master at {addr}:{port} within "
+            f"{timeout.total_seconds():g} s; check MASTER_ADDR/MASTER_PORT, that rank 0 is running and that "
+            "the port is open between the nodes."
+        ) from err
+    _STORE = (key, store)
+    return store
 
 
 def destroy_process_group() -> None:
@@ -50,8 +95,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any = None) -> tor
     return result
 
 
-def barrier(group: Any = None) -> None:
-    dist.barrier(group=group)
+def barrier(group: Any = None, device_ids: list[int] | None = None) -> None:
+    """Wait for every rank of `group`; NCCL wants the rank's CUDA device named."""
+    dist.barrier(group=group, device_ids=device_ids)
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:

@@ -1,0 +1,288 @@
+"""Per-step overhead of Trainer (on its defaults) against a hand-written PyTorch loop doing the same work.
+
+Both sides train the same MLP on the same in-memory tensors through a DataLoader(shuffle=True) for the
+same number of optimizer steps, save a checkpoint at every epoch end (written to a temporary file,
+fsynced and renamed, the guarantee our checkpoint format gives) and record the loss every 50 steps
+(the hand loop into a CSV file, with `.item()`). The Trainer runs on its defaults: rich progress bar,
+model summary, ModelCheckpoint, CSV logger, and the module calls `self.log("loss", loss, prog_bar=True)`
+every step. Note the default ModelCheckpoint writes two files per epoch (`epoch=N-step=M.ckpt` and
+`last.ckpt`, a deliberate redundancy: a resume falls back on the other when one is corrupt), so the
+Trainer's epoch boundary costs one more checkpoint write than the hand loop's.
+
+Method: timestamps are taken at the end of every training batch: by a callback's
+`on_train_batch_end` for the Trainer (it runs before the built-in callbacks' own batch-end work, which
+therefore lands in the next interval), and right after `zero_grad` and the CSV row in the hand loop;
+plus one at the start and one at the end of the training phase (`on_train_start` / `on_train_end`).
+  steady   = median interval between consecutive batch ends inside an epoch; the median, not the mean,
+             so that the moments another process holds the CPU do not count;
+  epoch    = median over epochs of the extra time at the epoch boundary (epoch-end validation is off;
+             this is checkpointing, epoch metrics, the next loader iterator), spread over its steps;
+  per step = steady + epoch / steps per epoch.
+Each timestamp reads two clocks: wall time (perf_counter) and this thread's CPU time (thread_time;
+with one intra-op thread all the work runs on it). On a quiet machine they agree; on a shared one the
+wall clock also counts the time other processes held the CPU, so there the CPU-time ratio is the one
+to read. One-off setup (strategy, loaders, model summary; whole `fit` minus the training phase, wall
+time) is printed separately. Runs alternate hand/Trainer several times so that drifts in machine speed
+hit both; the medians over runs are compared.
+
+Paired steps: on a busy machine the speed drifts within a run too, so a last measurement interleaves
+step by step: a callback runs one hand-written step (its own model copy, loader and optimizer) inside
+each Trainer `on_train_batch_end` and times it; the Trainer's step is the interval from the end of
+one embedded hand step to the start of the next. Both are timed at the same moments, so their ratio
+of medians is the steadiest figure for the steady per-step overhead (epoch boundaries excluded).
+
+One intra-op thread by default: a second one only adds noise on a shared machine, and the overhead
+measured is the framework's Python work, not the kernels.
+
+Also prints the wall time of `python -c "import trainer"` next to `python -c "import torch"`.
+
+Run: python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks import Callback
+from trainer import Trainer, TrainModule
+
+FEATURES, HIDDEN, CLASSES, BATCH = 128, 256, 10, 64
+LOG_EVERY = 50
+
+
+def build_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, CLASSES))
+
+
+def synthetic_data(samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, FEATURES, generator=generator)
+    return TensorDataset(x, torch.randint(0, CLASSES, (samples,), generator=generator))
+
+
+CLOCKS = ("wall", "cpu")
+
+
+def now() -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds)."""
+    return time.perf_counter(), time.thread_time()
+
+
+@dataclass
+class Timing:
+    """Timestamps of one run: start of training, each batch end (grouped per epoch), end of training."""
+
+    start: tuple[float, float]
+    epochs: list[list[tuple[float, float]]]
+    end: tuple[float, float]
+    whole: float  # the whole run, setup included (wall)
+
+    @property
+    def steps(self) -> int:
+        return sum(len(epoch) for epoch in self.epochs)
+
+    def steady_step(self, clock: int) -> float:
+        return statistics.median(b[clock] - a[clock] for epoch in self.epochs for a, b in zip(epoch, epoch[1:]))
+
+    def epoch_extra(self, clock: int) -> float:
+        """Median time an epoch boundary adds beyond the steady step it contains."""
+        steady, extras, previous = self.steady_step(clock), [], self.start
+        for epoch in self.epochs:
+            extras.append(epoch[0][clock] - previous[clock] - steady)  # previous epoch's end + this one's start
+            previous = epoch[-1]
+        extras[-1] += self.end[clock] - previous[clock]  # the last epoch's end work
+        return statistics.median(extras)
+
+    def per_step(self, clock: int) -> float:
+        return self.steady_step(clock) + self.epoch_extra(clock) * len(self.epochs) / self.steps
+
+    def setup(self) -> float:
+        return self.whole - (self.end[0] - self.start[0])
+
+
+class MLP(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = build_net()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
+
+
+class StepClock(Callback):
+    def on_train_start(self, trainer, module):
+        self.start, self.epochs = now(), []
+
+    def on_train_epoch_start(self, trainer, module):
+        self.epochs.append([])
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.epochs[-1].append(now())
+
+    def on_train_end(self, trainer, module):
+        self.end = now()
+
+
+def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
+    begin = time.perf_counter()
+    torch.manual_seed(0)
+    net = build_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    steps, stamps = 0, []
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "loss"])
+        start = now()
+        for epoch in range(epochs):
+            net.train()
+            stamps.append([])
+            for x, y in loader:
+                loss = F.cross_entropy(net(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                steps += 1
+                if steps % LOG_EVERY == 0:
+                    writer.writerow([steps, loss.item()])
+                stamps[-1].append(now())
+            state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+            with open(folder / "last.ckpt.tmp", "wb") as checkpoint:  # atomic and durable, like ours
+                torch.save(state, checkpoint)
+                checkpoint.flush()
+                os.fsync(checkpoint.fileno())
+            os.replace(folder / "last.ckpt.tmp", folder / "last.ckpt")
+        end = now()
+    return Timing(start, stamps, end, time.perf_counter() - begin)
+
+
+def with_trainer(data: TensorDataset, epochs: int, folder: Path) -> Timing:
+    begin = time.perf_counter()
+    torch.manual_seed(0)
+    clock = StepClock()
+    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[clock], accelerator="cpu",
+                      log_every_n_steps=LOG_EVERY)
+    trainer.fit(MLP(), DataLoader(data, batch_size=BATCH, shuffle=True))
+    return Timing(clock.start, clock.epochs, clock.end, time.perf_counter() - begin)
+
+
+class PairedHandStep(Callback):
+    """Runs and times one hand-written step right after each Trainer step (see "Paired steps" above)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        torch.manual_seed(0)
+        self.net = build_net()
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
+        self.loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+        self.hand: list[tuple[float, float]] = []
+        self.trainer: list[tuple[float, float]] = []
+
+    def on_train_epoch_start(self, trainer, module):
+        self.batches, self.previous_end, self.steps = iter(self.loader), None, 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        start = now()
+        if self.previous_end is not None:
+            self.trainer.append((start[0] - self.previous_end[0], start[1] - self.previous_end[1]))
+        x, y = next(self.batches)
+        loss = F.cross_entropy(self.net(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.steps % LOG_EVERY == 0:
+            loss.item()
+        self.previous_end = now()
+        self.hand.append((self.previous_end[0] - start[0], self.previous_end[1] - start[1]))
+
+
+def paired_steps(data: TensorDataset, epochs: int, folder: Path) -> None:
+    paired = PairedHandStep(data)
+    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[paired], accelerator="cpu",
+                      log_every_n_steps=LOG_EVERY)
+    trainer.fit(MLP(), DataLoader(data, batch_size=BATCH, shuffle=True))
+    for clock, name in enumerate(CLOCKS):
+        hand = statistics.median(step[clock] for step in paired.hand) * 1e3
+        ours = statistics.median(step[clock] for step in paired.trainer) * 1e3
+        print(f"paired steps {name:>4}: hand-written {hand:.4f} ms, Trainer {ours:.4f} ms, ratio {ours / hand:.3f} "
+              f"({len(paired.trainer)} pairs)")
+
+
+def import_seconds(module: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def report(name: str, runs: list[Timing], clock: int) -> float:
+    per_step = [run.per_step(clock) * 1e3 for run in runs]
+    steady = statistics.median(run.steady_step(clock) * 1e3 for run in runs)
+    epoch = statistics.median(run.epoch_extra(clock) * 1e3 for run in runs)
+    setup = statistics.median(run.setup() * 1e3 for run in runs)
+    print(f"{name:>13} {CLOCKS[clock]:>4}: {statistics.median(per_step):.4f} ms/step (runs {min(per_step):.4f}.."
+          f"{max(per_step):.4f}; steady step {steady:.4f} ms, epoch boundary +{epoch:.1f} ms, setup {setup:.0f} ms)")
+    return statistics.median(per_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps-per-epoch", type=int, default=400)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--import-repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    data = synthetic_data(args.steps_per_epoch * BATCH)
+    runs: dict[str, list[Timing]] = {"hand-written": [], "Trainer": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        hand_written(data, 1, Path(tmp) / "warmup")  # first-touch costs (allocator, kernels) hit neither side
+        with_trainer(data, 1, Path(tmp) / "warmup")
+        for repeat in range(args.repeats):
+            runs["hand-written"].append(hand_written(data, args.epochs, Path(tmp) / f"hand{repeat}"))
+            runs["Trainer"].append(with_trainer(data, args.epochs, Path(tmp) / f"trainer{repeat}"))
+
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s); MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, "
+          f"batch {BATCH}; {args.epochs} epochs x {args.steps_per_epoch} steps; {args.repeats} interleaved repeats")
+    for clock, name in enumerate(CLOCKS):
+        hand, trainer = report("hand-written", runs["hand-written"], clock), report("Trainer", runs["Trainer"], clock)
+        print(f"ratio Trainer / hand-written per step ({name} time): {trainer / hand:.3f} (target <= 1.03)")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paired_steps(data, args.epochs, Path(tmp))
+
+    torch_import = import_seconds("torch", args.import_repeats)
+    trainer_import = import_seconds("trainer", args.import_repeats)
+    print(f"python -c 'import torch':   {torch_import * 1e3:.0f} ms (median of {args.import_repeats})")
+    print(f"python -c 'import trainer': {trainer_import * 1e3:.0f} ms (median of {args.import_repeats}); "
+          f"+{(trainer_import - torch_import) * 1e3:.0f} ms over torch")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""A small training run that tests/test_faults.py starts, kills and resumes, in a subprocess or in pytest.
+
+    python fault_script.py <root> <single|ddp> [--kill-at STEP] [--slow-from STEP] [--slow-write-at STEP]
+
+--kill-at: the process SIGKILLs itself right after optimizer step STEP (rank 1 under ddp).
+--slow-from: from step STEP on, rank 0 writes <root>/marker and then sleeps 0.5 s per batch, leaving the
+test time to signal the run while it trains.
+--slow-write-at: at step STEP the write of last.ckpt stalls half-way, after writing <root>/marker.
+
+The run: dropout, Adam and a StepLR, a shuffled loader, step and epoch metrics in metrics.csv, and a
+ModelCheckpoint every 3 steps keeping every file plus last.ckpt, so a resume must restore RNG, optimizer,
+scheduler, data position and logger rows to land on the uninterrupted run's weights bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks import Callback, ModelCheckpoint
+from trainer import Trainer, TrainModule
+
+SAMPLES, BATCH, EPOCHS, SEED = 48, 4, 2, 7  # one process: 12 steps an epoch; ddp on 2: 6
+
+
+def dataset(samples: int = SAMPLES, offset: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(10 + offset)
+    x = torch.randn(samples, 6, generator=generator)
+    return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(samples, 1, generator=generator))
+
+
+class Net(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+class KillAt(Callback):
+    """SIGKILL this process right after optimizer step `step` on `rank`, on the job's first attempt only."""
+
+    def __init__(self, step: int, rank: int = 0) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        first_attempt = trainer.strategy.environment.restart_count == 0
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and first_attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SlowFrom(Callback):
+    """From step `step` on, rank 0 leaves `marker` and sleeps after each batch (the others wait for it)."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, marker
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step and trainer.is_global_zero:
+            Path(self.marker).touch()
+            time.sleep(0.5)
+
+
+class StartLog(Callback):
+    """Rank 0 appends '<restart count> <global step>' to `path` when training starts: where each attempt began."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, module):
+        if trainer.is_global_zero:
+            with open(self.path, "a") as f:
+                f.write(f"{trainer.strategy.environment.restart_count} {trainer.global_step}\n")
+
+
+def starts(root: str | Path) -> list[str]:
+    """The lines StartLog wrote under `root`: one per training start."""
+    return Path(root, "starts.txt").read_text().splitlines()
+
+
+class StallingFile:
+    """Passes writes through until half of `size` bytes are written, then leaves `marker` and stalls."""
+
+    def __init__(self, file, size: int, marker: str) -> None:
+        self.file, self.size, self.marker, self.written = file, size, marker, 0
+
+    def write(self, data) -> int:
+        if self.written + len(data) > self.size // 2:
+            self.file.write(bytes(data)[: self.size // 2 - self.written])
+            self.file.flush()
+            Path(self.marker).touch()
+            time.sleep(600)  # killed here, with half a file on disk
+        self.written += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class StallLastWriteAt(Callback):
+    """From step `step` on, torch.save into last.ckpt's temporary file stalls half-way."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, marker
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        real_save, marker = torch.save, self.marker
+
+        def stalling_save(obj, f, *args, **kwargs):
+            if not str(getattr(f, "name", "")).endswith("last.ckpt.tmp"):
+                return real_save(obj, f, *args, **kwargs)
+            import io
+
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            return real_save(obj, StallingFile(f, buffer.tell(), marker), *args, **kwargs)
+
+        torch.save = stalling_save
+
+
+def loaders() -> tuple[DataLoader, DataLoader]:
+    return DataLoader(dataset(), batch_size=BATCH, shuffle=True), DataLoader(dataset(20, offset=1), batch_size=BATCH)
+
+
+def make_trainer(root: str | Path, strategy: str, callbacks=(), **options) -> Trainer:
+    checkpoints = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1, save_last=True)
+    return Trainer(
+        strategy=strategy, devices=2 if strategy == "ddp" else 1, accelerator="cpu", max_epochs=EPOCHS, seed=SEED,
+        deterministic=True, log_every_n_steps=1, num_sanity_val_steps=0, default_root_dir=str(root),
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[*callbacks, StartLog(str(Path(root, "starts.txt").absolute())), checkpoints], **options,
+    )
+
+
+def fit(root: str | Path, strategy: str, callbacks=(), ckpt_path=None, **options) -> Net:
+    """One fit; the module (same initial weights every time; a resumed run overwrites them anyway)."""
+    torch.manual_seed(0)
+    module = Net()
+    make_trainer(root, strategy, callbacks, **options).fit(module, *loaders(), ckpt_path=ckpt_path)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("strategy", choices=["single", "ddp"])
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--slow-from", type=int)
+    parser.add_argument("--slow-write-at", type=int)
+    args = parser.parse_args()
+    marker = str(Path(args.root) / "marker")
+    callbacks: list[Callback] = []
+    if args.kill_at is not None:
+        callbacks.append(KillAt(args.kill_at, rank=1 if args.strategy == "ddp" else 0))
+    if args.slow_from is not None:
+        callbacks.append(SlowFrom(args.slow_from, marker))
+    if args.slow_write_at is not None:
+        callbacks.append(StallLastWriteAt(args.slow_write_at, marker))
+    fit(args.root, args.strategy, callbacks)
+
+
+if __name__ == "__main__":
+    main()

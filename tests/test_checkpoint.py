@@ -1,0 +1,241 @@
+"""Checkpoints: a resumed run ends bitwise where the uninterrupted one did; files are written atomically
+and read without running code; load_from_checkpoint rebuilds the module."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks import Callback
+from trainer import Trainer, TrainModule
+from trainer.checkpoint import load_checkpoint_file
+from trainer.errors import CheckpointError
+
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
+
+
+def regression_data(samples: int = 40) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 6, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(samples, 1, generator=generator))
+
+
+class DropoutRegressor(TrainModule):
+    """Adam + StepLR (epoch interval) + dropout: resuming must restore optimizer, scheduler and RNG state."""
+
+    def __init__(self, hidden: int = 16, lr: float = 0.01) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(6, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+
+
+class SaveAt(Callback):
+    """Saves once, right after optimizer step `step` (or at the end of epoch `epoch`), then may crash."""
+
+    def __init__(self, path: Path, step: int | None = None, epoch: int | None = None, crash_at_step: int | None = None):
+        self.path, self.step, self.epoch, self.crash_at_step = path, step, epoch, crash_at_step
+        self.saved = False
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.step is not None and trainer.global_step == self.step and not self.saved:
+            trainer.save_checkpoint(self.path)
+            self.saved = True
+        if self.crash_at_step is not None and trainer.global_step == self.crash_at_step:
+            raise RuntimeError("simulated crash")
+
+    def on_train_epoch_end(self, trainer, module):
+        if self.epoch is not None and trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+            self.saved = True
+
+
+def fit(root: Path, callbacks=(), ckpt_path=None, **options) -> DropoutRegressor:
+    torch.manual_seed(0)  # the same initial weights in every run; a resumed run overwrites them anyway
+    module = DropoutRegressor()
+    data = regression_data()
+    options.setdefault("max_epochs", 3)
+    trainer = Trainer(default_root_dir=str(root), seed=3, log_every_n_steps=1, callbacks=list(callbacks),
+                      **QUIET, **options)
+    trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=16),
+                ckpt_path=ckpt_path)
+    return module
+
+
+def metrics_rows(path: Path) -> list[dict[str, float]]:
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (key, left), right in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(left, right), f"{key} differs from the uninterrupted run"
+
+
+# 40 samples / 8 = 5 batches per epoch, accumulate 2 -> steps after batches 1, 3 and the tail batch 4.
+# Step 4 is taken after batch 1 of epoch 1: mid-epoch, and the next micro-batch does not step.
+def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
+    full = fit(tmp_path / "full", accumulate_grad_batches=2)
+    ckpt = tmp_path / "mid.ckpt"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(tmp_path / "crashed", [SaveAt(ckpt, step=4, crash_at_step=6)], accumulate_grad_batches=2)
+    saved = load_checkpoint_file(ckpt)["loops"]["progress"]
+    assert (saved["epoch"], saved["global_step"], saved["epoch_batches"]) == (1, 4, 2)
+
+    resumed = fit(tmp_path / "crashed", ckpt_path=ckpt, accumulate_grad_batches=2)
+    assert resumed.trainer.global_step == full.trainer.global_step == 9
+    assert_same_weights(resumed, full)
+    # The crashed run's rows after the checkpoint are dropped, nothing is duplicated or missing.
+    full_rows = metrics_rows(tmp_path / "full/default/version_0/metrics.csv")
+    resumed_rows = metrics_rows(tmp_path / "crashed/default/version_0/metrics.csv")
+    assert [row["step"] for row in resumed_rows] == [row["step"] for row in full_rows]
+    assert resumed_rows == full_rows
+    full_text = (tmp_path / "full/default/version_0/metrics.csv").read_text()
+    assert (tmp_path / "crashed/default/version_0/metrics.csv").read_text() == full_text
+
+
+def test_resume_from_epoch_end_is_bitwise_identical(tmp_path):
+    full = fit(tmp_path / "full")
+    ckpt = tmp_path / "epoch0.ckpt"
+    fit(tmp_path / "first", [SaveAt(ckpt, epoch=0)], max_epochs=1)
+    resumed = fit(tmp_path / "first", ckpt_path=ckpt)
+    assert resumed.trainer.current_epoch == 3 and resumed.trainer.global_step == 15
+    assert_same_weights(resumed, full)
+    # StepLR stepped once per finished epoch, not once more or less across the resume.
+    assert resumed.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.7**3)
+    assert metrics_rows(tmp_path / "first/default/version_0/metrics.csv") == metrics_rows(
+        tmp_path / "full/default/version_0/metrics.csv"
+    )
+
+
+def trained_checkpoint(path: Path) -> DropoutRegressor:
+    torch.manual_seed(0)
+    module = DropoutRegressor(hidden=12, lr=0.02)
+    trainer = Trainer(max_epochs=1, logger=False, **QUIET)
+    trainer.fit(module, DataLoader(regression_data(), batch_size=8))
+    trainer.save_checkpoint(path)
+    return module
+
+
+def test_load_from_checkpoint_rebuilds_from_hparams_and_weights(tmp_path):
+    module = trained_checkpoint(tmp_path / "a.ckpt")
+    loaded = DropoutRegressor.load_from_checkpoint(tmp_path / "a.ckpt")
+    assert dict(loaded.hparams) == {"hidden": 12, "lr": 0.02}
+    assert loaded.net[0].out_features == 12
+    assert_same_weights(loaded, module)
+    assert DropoutRegressor.load_from_checkpoint(tmp_path / "a.ckpt", lr=0.5).hparams.lr == 0.5
+
+
+class Wrapped(TrainModule):
+    """A user's own submodule called `module`: its keys must survive the round trip unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.module(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_saved_keys_are_the_modules_own(tmp_path):
+    module = trained_checkpoint(tmp_path / "a.ckpt")
+    assert list(load_checkpoint_file(tmp_path / "a.ckpt")["state_dict"]) == list(module.state_dict())
+
+    data = DataLoader(regression_data(), batch_size=8)
+    trainer = Trainer(max_epochs=1, logger=False, **QUIET)
+    trainer.fit(Wrapped(), data)
+    trainer.save_checkpoint(tmp_path / "w.ckpt")
+    assert list(load_checkpoint_file(tmp_path / "w.ckpt")["state_dict"]) == ["module.weight", "module.bias"]
+    Trainer(max_epochs=2, logger=False, **QUIET).fit(Wrapped(), data, ckpt_path=tmp_path / "w.ckpt")
+
+
+def test_failed_write_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    module = trained_checkpoint(path)
+    before, saved_weight = path.read_bytes(), module.net[0].weight.detach().clone()
+    with torch.no_grad():
+        module.net[0].weight.add_(1.0)  # the next save would differ
+
+    def torch_save_that_dies(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a zip file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", torch_save_that_dies)
+    with pytest.raises(OSError, match="No space left"):
+        module.trainer.save_checkpoint(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert torch.equal(load_checkpoint_file(path)["state_dict"]["net.0.weight"], saved_weight)
+
+
+class Planted:
+    """Unpickling this object opens (creates) the marker file: code run by merely loading a checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
+    path = tmp_path / "planted.ckpt"
+    torch.save({"state_dict": {}, "payload": Planted(tmp_path / "control")}, path)
+    torch.load(path, weights_only=False)  # proves the payload is live: full unpickling runs it
+    assert (tmp_path / "control").exists()
+
+    torch.save({"state_dict": {}, "payload": Planted(tmp_path / "marker")}, path)
+    with pytest.raises(CheckpointError, match="planted.ckpt.*refused"):
+        load_checkpoint_file(path)
+    with pytest.raises(CheckpointError, match="refused"):
+        DropoutRegressor.load_from_checkpoint(path)
+    with pytest.raises(CheckpointError, match="refused"):
+        Trainer(max_epochs=1, logger=False, **QUIET).fit(
+            DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path=path
+        )
+    assert not (tmp_path / "marker").exists()
+
+
+def test_truncated_checkpoint_names_the_file(tmp_path):
+    trained_checkpoint(tmp_path / "good.ckpt")
+    data = (tmp_path / "good.ckpt").read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cut\.ckpt.*truncated or corrupt"):
+        load_checkpoint_file(tmp_path / "cut.ckpt")
+    with pytest.raises(CheckpointError, match=r"cut\.ckpt"):
+        Trainer(max_epochs=1, logger=False, **QUIET).fit(
+            DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path=tmp_path / "cut.ckpt"
+        )
+
+
+def test_checkpoint_is_weights_only_loadable(tmp_path):
+    trained_checkpoint(tmp_path / "a.ckpt")
+    checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    assert {"version", "state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "rng", "hparams"} <= set(checkpoint)
+    assert checkpoint["hparams"] == {"hidden": 12, "lr": 0.02}
+    assert checkpoint["loops"]["progress"]["global_step"] == 5

@@ -1,0 +1,288 @@
+"""The `trainer` command: recipe merging, overrides, interpolation, and one-line errors before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.cli import main
+from trainer.config import option_names, readme_reference, reference_table, update_readme
+from trainer.errors import MisconfigurationError
+from trainer.recipe import init_parameters, load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+DIGITS = str(REPO / "recipes" / "digits.yaml")
+
+GOOD = """
+trainer: {name: good, max_epochs: 1, limit_train_batches: 2}
+model: {class_path: recipes.digits.DigitsCNN, init_args: {lr: 0.01}}
+data: {class_path: recipes.digits.DigitsData}
+callbacks:
+  - {class_path: callbacks.ModelCheckpoint, init_args: {monitor: val/acc, mode: max}}
+"""
+
+# Modules the table's recipes name, written next to them (the CLI imports from the working directory).
+MODULES = {
+    "needy_models.py": """
+from trainer import TrainModule
+
+class Needy(TrainModule):
+    def __init__(self, num_classes: int, lr: float = 0.1):
+        super().__init__()
+""",
+    "kw_models.py": """
+from trainer import TrainModule
+
+class Base(TrainModule):
+    def __init__(self, width: int = 8, lr: float = 0.1):
+        super().__init__()
+
+class Child(Base):
+    def __init__(self, depth: int = 2, **kwargs):
+        super().__init__(**kwargs)
+""",
+}
+
+FILES = {
+    "good.yaml": GOOD,
+    "broken.yaml": "trainer:\n  max_epochs: [1, 2\nmodel: {}\n",
+    "typo_top.yaml": GOOD + "trainr: {max_epochs: 1}\n",
+    "typo_trainer.yaml": "trainer: {max_epoch: 3}\n",
+    "no_model.yaml": "data: {class_path: recipes.digits.DigitsData}\n",
+    "listed.yaml": "- trainer\n- model\n",
+}
+
+# (argv after the subcommand, a piece of the one-line message)
+BAD_INPUTS = [
+    (["missing.yaml"], "recipe file 'missing.yaml' not found"),
+    (["goood.yaml"], "not found (did you mean 'good.yaml'"),
+    (["trainer.max_epochs=3"], "no recipe file given"),
+    (["good.yaml", "trainer.max_epochs"], "'trainer.max_epochs' is neither a recipe file nor an override"),
+    (["broken.yaml"], "broken.yaml: YAML syntax error at line 3, column 6"),
+    (["listed.yaml"], "a recipe is a mapping"),
+    (["typo_top.yaml"], "unknown key 'trainr' (did you mean 'trainer'?)"),
+    (["good.yaml", "typo_trainer.yaml"], "unknown trainer option 'max_epoch' (did you mean 'max_epochs'"),
+    (["good.yaml", "trainer.limit_train_batchs=3"], "(did you mean 'limit_train_batches'"),
+    (["good.yaml", "model.init_arg.lr=1"], "unknown key 'model.init_arg' (did you mean 'init_args'?)"),
+    (["no_model.yaml"], "the recipe has no 'model' section"),
+    (["good.yaml", "trainer.max_steps=abc"], "trainer.max_steps takes int"),
+    (["good.yaml", "trainer.enable_progress_bar=maybe"], "trainer.enable_progress_bar takes bool"),
+    (["good.yaml", "trainer.seed=abc"], "seed='abc' must be an integer or unset"),
+    (["good.yaml", "trainer.devices=0"], "devices=0 must be at least 1"),
+    (["good.yaml", "trainer.max_epochs=-2"], "max_epochs=-2 must be an integer >= -1"),
+    (["good.yaml", "trainer.precision=64"], "precision='64' is not known; use one of 32, bf16-mixed, 16-mixed"),
+    (["good.yaml", "trainer.strategy=nosuch"], "strategy='nosuch' is not known"),
+    (["good.yaml", "model.class_path=recipes.digitz.DigitsCNN"], "no module named 'recipes.digitz'"),
+    (["good.yaml", "model.class_path=recipes.digits.DigitCNN"], "has no 'DigitCNN' (did you mean 'DigitsCNN'?)"),
+    (["good.yaml", "model.class_path=torch.nn.Linear"], "is class torch.nn.modules.linear.Linear, not a TrainModule"),
+    (["good.yaml", "data.class_path=recipes.digits.DigitsCNN"], "not a DataModule subclass"),
+    (["good.yaml", "callbacks=[{class_path: recipes.digits.DigitsData}]"], "callbacks.0.class_path='recipes.digits.DigitsData' is class"),
+    (["good.yaml", "model.init_args.lrr=0.1"], "DigitsCNN does not take 'lrr' (did you mean 'lr'?)"),
+    (["good.yaml", "model.init_args.channels=wide"], "model.init_args.channels='wide': DigitsCNN expects int, got str"),
+    (["good.yaml", "callbacks.0.init_args.monitr=val/loss"], "does not take 'monitr' (did you mean 'monitor'?)"),
+    (["good.yaml", "model.class_path=needy_models.Needy"], "Needy needs 'num_classes' (it has no default)"),
+    (["good.yaml", "model.class_path=kw_models.Child", "model.init_args.height=3"], "it takes depth, width, lr"),
+    (["good.yaml", "model.init_args.lr=${nope.value}"], "model.init_args.lr: cannot resolve an interpolation"),
+    (["good.yaml", "model.init_args.lr=${oc.env:TRAINER_TEST_SURELY_UNSET}"], "TRAINER_TEST_SURELY_UNSET"),
+    (["good.yaml", "ckpt_path=missing.ckpt"], "ckpt_path 'missing.ckpt' does not exist"),
+    (["good.yaml", "model.init_args.lr=${oops"], "override 'model.init_args.lr=${oops': cannot parse the value"),
+]
+
+
+@pytest.fixture()
+def recipes_here(tmp_path: Path) -> Path:
+    for name, text in {**FILES, **MODULES}.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_nothing_runs(recipes_here, capsys, argv, message):
+    code = main(["fit", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert err.startswith("trainer fit: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    assert not (recipes_here / "runs").exists()
+
+
+@pytest.mark.parametrize("argv", [["--verbose", "fit", "good.yaml", "trainer.devices=0"],
+                                  ["fit", "good.yaml", "-v", "trainer.devices=0"]])
+def test_verbose_anywhere_adds_the_traceback(recipes_here, capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "devices=0 must be at least 1" in err.splitlines()[-1]
+
+
+def test_a_literal_dollar_brace_survives_the_saved_config(recipes_here):
+    recipe = load_recipe(["good.yaml", r"trainer.name=\${not_a_key}"])
+    assert recipe.trainer.name == "${not_a_key}"
+    (recipes_here / "saved.yaml").write_text(recipe.to_yaml())
+    assert load_recipe(["saved.yaml"]).to_dict() == recipe.to_dict()
+
+
+def test_console_script_reports_one_line(recipes_here):
+    script = Path(sys.executable).with_name("trainer")
+    done = subprocess.run([str(script), "fit", "good.yaml", "model.init_args.lrr=1"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "trainer fit: error: model.init_args.lrr: DigitsCNN does not take 'lrr' (did you mean 'lr'?); "
+        "it takes channels, hidden, dropout, lr, weight_decay."
+    ]
+    assert not (recipes_here / "runs").exists()
+
+
+def test_python_dash_m_prints_the_resolved_config(recipes_here):
+    done = subprocess.run([sys.executable, "-m", "trainer", "config", "good.yaml", "trainer.max_epochs=7"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load(done.stdout)
+    assert config["trainer"]["max_epochs"] == 7
+    assert list(config["trainer"]) == option_names()  # every option, defaults filled in
+    assert config["model"] == {"class_path": "recipes.digits.DigitsCNN", "init_args": {
+        "channels": 32, "hidden": 128, "dropout": 0.25, "lr": 0.01, "weight_decay": 1e-4}}
+
+
+def test_files_merge_left_to_right_then_overrides(recipes_here):
+    (recipes_here / "small.yaml").write_text("trainer: {max_epochs: 2, name: small}\nmodel: {init_args: {channels: 8}}\n")
+    recipe = load_recipe(["good.yaml", "small.yaml", "model.init_args.channels=4", "trainer.name=last"])
+    assert recipe.trainer.max_epochs == 2 and recipe.trainer.limit_train_batches == 2
+    assert recipe.trainer.name == "last"
+    assert recipe.model.init_args["channels"] == 4 and recipe.model.init_args["lr"] == 0.01
+    # Order matters: a file after an override wins over it.
+    assert load_recipe(["good.yaml", "trainer.name=first", "small.yaml"]).trainer.name == "small"
+
+
+def test_interpolation_and_environment(recipes_here, monkeypatch):
+    (recipes_here / "interp.yaml").write_text(
+        "trainer: {max_epochs: '${oc.env:TRAINER_TEST_EPOCHS,3}', name: '${data.init_args.batch_size}-run'}\n"
+        "data: {init_args: {batch_size: 16}}\n"
+    )
+    with pytest.raises(MisconfigurationError, match="max_epochs='3' must be an integer"):
+        load_recipe(["good.yaml", "interp.yaml"])  # oc.env gives strings ...
+    recipe = load_recipe(["good.yaml", "interp.yaml", "trainer.max_epochs=${oc.decode:${oc.env:TRAINER_TEST_EPOCHS,3}}"])
+    assert recipe.trainer.max_epochs == 3  # ... oc.decode parses them
+    monkeypatch.setenv("TRAINER_TEST_EPOCHS", "5")
+    recipe = load_recipe(["good.yaml", "interp.yaml", "trainer.max_epochs=${oc.decode:${oc.env:TRAINER_TEST_EPOCHS}}",
+                          "data.init_args.batch_size=8"])
+    assert recipe.trainer.max_epochs == 5
+    assert recipe.trainer.name == "8-run"  # resolved after the override
+
+
+def test_new_class_path_drops_the_old_init_args(recipes_here):
+    recipe = load_recipe(["good.yaml", "model.class_path=kw_models.Child", "model.init_args.width=4"])
+    assert recipe.model.cls.__name__ == "Child"
+    assert recipe.model.init_args == {"depth": 2, "width": 4, "lr": 0.1}  # DigitsCNN's lr=0.01 is gone
+
+
+def test_list_entries_take_dotted_overrides(recipes_here):
+    recipe = load_recipe(["good.yaml", "callbacks.0.init_args.monitor=val/loss", "callbacks.0.init_args.mode=min"])
+    assert recipe.callbacks[0].init_args["monitor"] == "val/loss"
+    assert recipe.callbacks[0].instantiate().monitor == "val/loss"
+
+
+def test_init_parameters_follow_kwargs_to_the_parent(recipes_here):
+    sys.path.insert(0, str(recipes_here))
+    try:
+        from kw_models import Child
+    finally:
+        sys.path.remove(str(recipes_here))
+    parameters, takes_any = init_parameters(Child)
+    assert list(parameters) == ["depth", "width", "lr"] and not takes_any
+
+    from trainer import TrainModule
+
+    class Swallow(TrainModule):
+        def __init__(self, **options):
+            super().__init__()
+
+    assert init_parameters(Swallow) == ({}, True)
+
+
+def test_reference_lists_every_option_and_the_readme_matches():
+    table = reference_table()
+    for name in option_names():
+        assert f"| `{name}` |" in table
+    assert "| `max_steps` | int | `-1` |" in table
+    readme = (REPO / "README.md").read_text()
+    assert readme_reference(readme) == table, "README table is stale: run `trainer config --reference --readme README.md`"
+
+
+def test_reference_command_rewrites_a_stale_readme(tmp_path, capsys):
+    stale = (REPO / "README.md").read_text().replace("| `max_steps` |", "| `max_stepz` |")
+    (tmp_path / "README.md").write_text(stale)
+    assert main(["config", "--reference", "--readme", "README.md"]) == 0
+    assert readme_reference((tmp_path / "README.md").read_text()) == reference_table()
+    assert not update_readme(tmp_path / "README.md")  # second time: nothing to change
+    assert main(["config", "--reference"]) == 0
+    assert capsys.readouterr().out.endswith(reference_table())
+
+
+def test_saved_config_is_the_resolved_recipe(recipes_here):
+    code = main(["fit", "good.yaml", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=1",
+                 "trainer.enable_model_summary=false", "model.init_args.channels=${data.init_args.batch_size}"])
+    assert code == 0
+    saved = yaml.safe_load((recipes_here / "runs" / "good" / "version_0" / "config.yaml").read_text())
+    assert saved == load_recipe(["good.yaml", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=1",
+                                 "trainer.enable_model_summary=false", "model.init_args.channels=64"]).to_dict()
+    assert saved["model"]["init_args"]["channels"] == 64 and "ckpt_path" not in saved
+    assert not list((recipes_here / "runs" / "good" / "version_0").glob("*.tmp"))
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    assert main(["train", DIGITS]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+
+
+
+def write_metrics(folder: Path, header: list[str], rows: list[list[object]]) -> None:
+    folder.mkdir(parents=True)
+    lines = [",".join(header)] + [",".join("" if value is None else str(value) for value in row) for row in rows]
+    (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_plot_draws_one_panel_per_metric_one_line_per_run(tmp_path, capsys):
+    image_module = pytest.importorskip("matplotlib.image")
+    header = ["step", "train/loss", "epoch", "val/loss", "val/acc"]
+    write_metrics(tmp_path / "runs" / "a" / "version_0", header,
+                  [[5, 2.0, 0, None, None], [10, 1.0, 0, None, None], [10, None, 0, 1.2, 0.6]])
+    write_metrics(tmp_path / "runs" / "b" / "version_0", header[:3], [[1, 3.0, 0]])
+    write_metrics(tmp_path / "runs" / "b" / "version_1", header, [[5, 1.5, 0, None, None], [9, None, 0, 0.9, 0.8]])
+    # A version folder, and a run-name folder (its newest version).
+    assert main(["plot", "runs/a/version_0", "runs/b", "-o", "plots/curves.png"]) == 0
+    assert "plots/curves.png" in capsys.readouterr().out
+    image = image_module.imread(tmp_path / "plots" / "curves.png")
+    assert image.shape[:2] == (320, 1440)  # three metrics: one row of three 4.8 x 3.2 inch panels at 100 dpi
+    assert image[..., :3].std() > 0.01  # something is drawn
+
+    write_metrics(tmp_path / "runs" / "c" / "version_0", [*header, "lr-Adam"], [[5, 1.0, 0, 1.0, 0.5, 0.1]])
+    assert main(["plot", "runs/c/version_0", "-o", "four.png"]) == 0
+    assert image_module.imread(tmp_path / "four.png").shape[:2] == (640, 1440)  # four metrics: two rows
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    assert main(["plot", "empty"]) == 2
+    assert "'empty' holds no metrics.csv" in capsys.readouterr().err
+    write_metrics(tmp_path / "run", ["step", "epoch"], [[1, 0]])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the optional extra were not installed
+    assert main(["plot", "run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trainer plot needs matplotlib: pip install 'trainer[plot]'" in err
+
+
+def test_readme_python_example_runs(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(example.splitlines()) <= 35
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)  # trains 3 epochs on random data
+    run = tmp_path / "runs" / "default" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "hparams.yaml").read_text().strip() == "lr: 0.01"

@@ -1,0 +1,178 @@
+"""User mistakes raise one clear error that says what was given, what is allowed, and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from trainer import Trainer, TrainModule
+from trainer.errors import CheckpointError, MisconfigurationError
+
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
+             accelerator="cpu")
+
+
+class Tiny(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(samples: int = 4) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(samples, 2)), batch_size=2)
+
+
+def fit(module: TrainModule, data=None, **options) -> Trainer:
+    trainer = Trainer(**{"max_epochs": 1, **QUIET, **options})
+    trainer.fit(module, loader() if data is None else data)
+    return trainer
+
+
+def test_missing_configure_optimizers():
+    class NoOptimizer(Tiny):
+        configure_optimizers = TrainModule.configure_optimizers
+
+    with pytest.raises(MisconfigurationError, match=r"NoOptimizer has no configure_optimizers\(\).*return torch\.optim"):
+        fit(NoOptimizer())
+
+
+def test_training_step_returning_none():
+    class ReturnsNothing(Tiny):
+        def training_step(self, batch, batch_idx):
+            self.layer(batch[0]).sum()
+
+    with pytest.raises(MisconfigurationError, match=r"training_step returned None.*automatic_optimization = False"):
+        fit(ReturnsNothing())
+
+
+def test_missing_training_step():
+    class NoStep(TrainModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    with pytest.raises(MisconfigurationError, match=r"NoStep must define training_step"):
+        fit(NoStep())
+
+
+def test_ckpt_path_that_does_not_exist(tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    with pytest.raises(MisconfigurationError, match=r"ckpt_path '.*nope\.ckpt' does not exist"):
+        Trainer(max_epochs=1, **QUIET).fit(Tiny(), loader(), ckpt_path=missing)
+    with pytest.raises(CheckpointError, match=r"nope\.ckpt' does not exist"):
+        Tiny.load_from_checkpoint(missing)
+
+
+def test_empty_dataloader():
+    with pytest.raises(MisconfigurationError, match="training dataloader yields no batches"):
+        fit(Tiny(), loader(samples=0))
+    with pytest.raises(MisconfigurationError, match="limit_train_batches=0"):
+        fit(Tiny(), limit_train_batches=0)
+
+
+class Nothing(IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+def test_iterable_dataloader_that_yields_nothing():
+    with pytest.raises(MisconfigurationError, match="yielded no batches"):
+        fit(Tiny(), DataLoader(Nothing(), batch_size=2))
+
+
+def test_fp16_mixed_on_cpu():
+    with pytest.raises(MisconfigurationError, match=r"precision='16-mixed' is not supported on CPU.*bf16-mixed"):
+        Trainer(precision="16-mixed", accelerator="cpu")
+    with pytest.raises(MisconfigurationError, match=r"precision='8' is not known; use one of 32, bf16-mixed, 16-mixed"):
+        Trainer(precision="8")
+
+
+def test_unknown_strategy_lists_the_known_ones():
+    with pytest.raises(MisconfigurationError, match=r"strategy='horovod' is not known.*known strategies: .*single"):
+        Trainer(strategy="horovod")
+    with pytest.raises(MisconfigurationError, match=r"did you mean 'single'"):
+        Trainer(strategy="singel")
+
+
+def test_unknown_option_suggests_the_closest():
+    with pytest.raises(MisconfigurationError, match=r"unknown trainer option 'max_epoch' \(did you mean 'max_epochs'"):
+        Trainer(max_epoch=3)
+    with pytest.raises(MisconfigurationError, match=r"'gradient_clip_value' \(did you mean 'gradient_clip_val'"):
+        Trainer(gradient_clip_value=1.0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"devices": 0}, r"devices=0 must be at least 1"),
+        ({"max_epochs": -2}, r"max_epochs=-2 must be an integer >= -1 \(-1: no limit\)"),
+        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0 must be at least 1"),
+        ({"limit_train_batches": 1.5}, r"limit_train_batches=1.5 must be a fraction in \[0.0, 1.0\] or a batch count"),
+        ({"limit_val_batches": -1}, r"limit_val_batches=-1 must be a fraction"),
+        ({"max_steps": -5}, r"max_steps=-5 must be >= -1"),
+        ({"gradient_clip_val": -1.0}, r"gradient_clip_val=-1.0 must be a positive number"),
+        ({"gradient_clip_algorithm": "l2"}, r"gradient_clip_algorithm='l2'; use 'norm' or 'value'"),
+        ({"val_check_interval": 0}, r"val_check_interval=0 would never validate"),
+        ({"max_epochs": 2.5}, r"max_epochs=2.5 must be an integer"),
+        ({"log_every_n_steps": 0}, r"log_every_n_steps=0 must be at least 1"),
+        ({"seed": "abc"}, r"seed='abc' must be an integer or unset"),
+    ],
+)
+def test_out_of_range_options(options, message):
+    with pytest.raises(MisconfigurationError, match=message):
+        Trainer(**options)
+
+
+def test_fit_inputs():
+    with pytest.raises(MisconfigurationError, match="Trainer.fit needs a TrainModule; got Linear"):
+        Trainer(**QUIET).fit(nn.Linear(2, 1), loader())
+    with pytest.raises(MisconfigurationError, match="Trainer.fit needs dataloaders or a datamodule"):
+        Trainer(**QUIET).fit(Tiny())
+    with pytest.raises(MisconfigurationError, match="train_dataloaders must be a DataLoader or a list of them, got TensorDataset"):
+        Trainer(**QUIET).fit(Tiny(), TensorDataset(torch.randn(4, 2)))
+    with pytest.raises(MisconfigurationError, match="callbacks must be Callback instances; got function"):
+        Trainer(callbacks=[lambda: None], **QUIET)
+
+
+def test_bad_log_values():
+    class LogsAVector(Tiny):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("vector", torch.ones(3))
+            return loss
+
+    with pytest.raises(MisconfigurationError, match=r"self.log\('vector'\) got a tensor of shape \(3,\); log scalars"):
+        fit(LogsAVector())
+
+    class BadReduce(Tiny):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("x", loss, reduce_fx="median")
+            return loss
+
+    with pytest.raises(MisconfigurationError, match=r"reduce_fx='median'\): use one of"):
+        fit(BadReduce())
+
+
+def test_bad_configure_optimizers_return():
+    class ReturnsParams(Tiny):
+        def configure_optimizers(self):
+            return list(self.parameters())
+
+    with pytest.raises(MisconfigurationError, match="configure_optimizers returned a Parameter where an optimizer belongs"):
+        fit(ReturnsParams())
+
+    class PlateauWithoutMonitor(Tiny):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+    with pytest.raises(MisconfigurationError, match="ReduceLROnPlateau needs a 'monitor' key"):
+        fit(PlateauWithoutMonitor())

@@ -1,0 +1,320 @@
+"""Fault tolerance, each fault caused for real: SIGKILL (mid-epoch, mid-write, one ddp rank), SIGTERM,
+corrupt checkpoints, a rank stuck before a collective, NaN losses.
+
+The runs come from tests/faults/fault_script.py, in a subprocess where the test kills or signals them, in
+this process (or workers the Trainer starts from it) otherwise. Every resumed run must end on the weights
+of the uninterrupted run, bitwise, with the same metrics.csv rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from faults import fault_script
+from faults.fault_script import KillAt, Net, fit, starts
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from callbacks import Callback, ModelCheckpoint
+from trainer import Trainer, TrainModule
+from trainer.checkpoint import load_checkpoint_file
+from trainer.errors import CheckpointError
+from trainer.faults import SIGTERM_EXIT_CODE, CollectiveTimeoutError, NonFiniteLossError
+
+SCRIPT = Path(fault_script.__file__)
+QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_flag_restored():
+    """fit(deterministic=True) in this process switches a global torch flag; give it back."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def run_folder(root: Path) -> Path:
+    return root / "default" / "version_0"
+
+
+def metrics_rows(root: Path) -> list[dict[str, str]]:
+    with open(run_folder(root) / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def saved_step(path: Path) -> int:
+    return load_checkpoint_file(path)["loops"]["progress"]["global_step"]
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), f"{key} differs from the uninterrupted run"
+
+
+def start_script(root: Path, *args: str) -> subprocess.Popen:
+    """fault_script.py in its own session (its process group holds the workers it starts)."""
+    root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(root), *args], cwd=root, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    """Wait for the script; kill its whole group if it outlives the timeout or the test fails."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for(marker: Path, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while not marker.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            code, output = finish(proc, timeout=1)
+            pytest.fail(f"{marker.name} never appeared (exit code {code}):\n{output[-3000:]}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """The uninterrupted one-process run: final weights and metrics.csv rows."""
+    root = tmp_path_factory.mktemp("single_reference")
+    before = torch.are_deterministic_algorithms_enabled()
+    module = fit(root, "single")
+    torch.use_deterministic_algorithms(before)
+    return module.state_dict(), metrics_rows(root)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """The uninterrupted 2-process ddp run, started from this process."""
+    root = tmp_path_factory.mktemp("ddp_reference")
+    module = fit(root, "ddp")
+    return module.state_dict(), metrics_rows(root)
+
+
+# --------------------------------------------------------------------------- one process
+
+
+@pytest.mark.timeout(180)
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(single_run, tmp_path):
+    code, output = finish(start_script(tmp_path, "single", "--kill-at", "7"))
+    assert code == -signal.SIGKILL, output[-3000:]
+    assert saved_step(run_folder(tmp_path) / "checkpoints" / "last.ckpt") == 6
+    resumed = fit(tmp_path, "single", ckpt_path="last")
+    assert starts(tmp_path) == ["0 0", "0 6"]
+    assert_same_weights(resumed.state_dict(), single_run[0])
+    assert metrics_rows(tmp_path) == single_run[1]  # the kill's unsaved rows neither lost nor doubled
+
+
+@pytest.mark.timeout(180)
+def test_a_kill_while_last_ckpt_is_written_leaves_the_previous_one_intact(single_run, tmp_path):
+    proc = start_script(tmp_path, "single", "--slow-write-at", "6")
+    wait_for(tmp_path / "marker", proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # half of the new last.ckpt is on disk, in its temporary file
+    finish(proc)
+    folder = run_folder(tmp_path) / "checkpoints"
+    with pytest.raises(CheckpointError, match=r"last\.ckpt\.tmp.*truncated or corrupt"):
+        load_checkpoint_file(folder / "last.ckpt.tmp")
+    assert saved_step(folder / "last.ckpt") == 3  # the previous one, whole
+    # The newest good checkpoint (step 6, written just before last.ckpt) carries the run on.
+    resumed = fit(tmp_path, "single", ckpt_path="last")
+    assert starts(tmp_path) == ["0 0", "0 6"]
+    assert_same_weights(resumed.state_dict(), single_run[0])
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_checkpoints_are_skipped_with_a_warning_naming_them(single_run, tmp_path):
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path, "single", [CrashAt(10)])
+    folder = run_folder(tmp_path) / "checkpoints"
+    data = (folder / "last.ckpt").read_bytes()
+    (folder / "last.ckpt").write_bytes(data[: len(data) // 2])  # truncated
+    (folder / "epoch=0-step=9.ckpt").write_bytes(b"\x00" * 512)  # garbage
+    with pytest.warns(UserWarning) as warned:
+        resumed = fit(tmp_path, "single", ckpt_path="last")
+    messages = [str(w.message) for w in warned if "Skipped it" in str(w.message)]
+    assert len(messages) == 2
+    assert any("last.ckpt' is truncated or corrupt" in m for m in messages)
+    assert any("epoch=0-step=9.ckpt' is truncated or corrupt" in m for m in messages)
+    assert all("resuming from" in m and "epoch=0-step=6.ckpt" in m for m in messages)
+    assert starts(tmp_path) == ["0 0", "0 6"]
+    assert_same_weights(resumed.state_dict(), single_run[0])
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_saves_a_checkpoint_exits_143_and_the_next_start_resumes(single_run, tmp_path):
+    proc = start_script(tmp_path, "single", "--slow-from", "5")
+    wait_for(tmp_path / "marker", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, output = finish(proc)
+    assert code == SIGTERM_EXIT_CODE, output[-3000:]
+    last = run_folder(tmp_path) / "checkpoints" / "last.ckpt"
+    assert f"trainer: SIGTERM: saved {last}" in output and "Traceback" not in output
+    step = saved_step(last)
+    assert 5 <= step < 24  # where the signal landed; the run had 24 steps to go
+    resumed = fit(tmp_path, "single", ckpt_path="last")
+    assert starts(tmp_path) == ["0 0", f"0 {step}"]
+    assert_same_weights(resumed.state_dict(), single_run[0])
+    assert metrics_rows(tmp_path) == single_run[1]
+
+
+# --------------------------------------------------------------------------- non-finite losses
+
+POISONED = 13  # this sample's input is NaN, so the loss of whichever batch holds it is NaN
+
+
+def poisoned_data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 4, generator=generator)
+    y = x.sum(1, keepdim=True)
+    x[POISONED, 0] = float("nan")
+    return TensorDataset(x, y)
+
+
+class Linear(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def epoch_batches(epoch: int) -> list[list[int]]:
+    """The trainer's training order for `epoch`: its seeded sampler, batches of 4."""
+    sampler = DistributedSampler(poisoned_data(), num_replicas=1, rank=0, shuffle=True, seed=5)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    return [order[i:i + 4] for i in range(0, len(order), 4)]
+
+
+def fit_poisoned(root: Path, **options) -> Linear:
+    torch.manual_seed(0)
+    module = Linear()
+    checkpoints = ModelCheckpoint(every_n_train_steps=1, save_last=True, save_top_k=0)
+    trainer = Trainer(seed=5, max_epochs=2, default_root_dir=str(root), log_every_n_steps=1, callbacks=[checkpoints],
+                      **QUIET, **options)
+    trainer.fit(module, DataLoader(poisoned_data(), batch_size=4, shuffle=True))
+    return module
+
+
+def test_a_nan_loss_stops_before_its_step_and_the_last_checkpoint_stays_finite(tmp_path):
+    bad_batch = next(i for i, batch in enumerate(epoch_batches(0)) if POISONED in batch)
+    with pytest.raises(NonFiniteLossError, match=rf"loss was nan at global step {bad_batch} \(epoch 0, batch {bad_batch}\)"):
+        fit_poisoned(tmp_path)
+    last = load_checkpoint_file(run_folder(tmp_path) / "checkpoints" / "last.ckpt")
+    assert last["loops"]["progress"]["global_step"] == bad_batch
+    assert all(torch.isfinite(value).all() for value in last["state_dict"].values())
+    # The checkpoint is the state of a run that simply stopped before the poisoned batch.
+    stopped = fit_poisoned(tmp_path / "stopped", max_steps=bad_batch)
+    assert_same_weights(last["state_dict"], stopped.state_dict())
+
+
+def test_skip_mode_drops_nan_steps_like_a_hand_written_loop_and_counts_them(tmp_path):
+    handler = signal.getsignal(signal.SIGTERM)
+    module = fit_poisoned(tmp_path, nonfinite_loss="skip")
+    assert signal.getsignal(signal.SIGTERM) is handler  # fit gave the process its handler back
+    torch.manual_seed(0)
+    reference = Linear()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    x, y = poisoned_data().tensors
+    for epoch in range(2):
+        for batch in epoch_batches(epoch):
+            loss = F.mse_loss(reference.layer(x[batch]), y[batch])
+            if not math.isfinite(loss.item()):
+                continue  # no step, and no gradient carried into the next one
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert_same_weights(module.state_dict(), reference.state_dict())
+    assert module.trainer.global_step == 2 * 8 - 2
+    skipped = [row["train/skipped_nonfinite"] for row in metrics_rows(tmp_path) if row.get("train/skipped_nonfinite")]
+    assert skipped == ["1.0", "1.0"]  # one poisoned batch in each epoch
+
+
+# --------------------------------------------------------------------------- ddp on 2 processes
+
+
+@pytest.mark.timeout(240)
+def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_weights(ddp_run, tmp_path, capfd):
+    module = fit(tmp_path, "ddp", [KillAt(5, rank=1)], max_restarts=1)  # rank 1 dies mid-epoch 0
+    assert "restart 1: resuming from" in capfd.readouterr().err
+    assert starts(tmp_path) == ["0 0", "1 3"]  # the restarted group began at the last checkpoint, not at 0
+    assert_same_weights(module.state_dict(), ddp_run[0])
+    assert metrics_rows(tmp_path) == ddp_run[1]
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_a_ddp_job_saves_on_every_rank_and_the_next_start_resumes(ddp_run, tmp_path):
+    proc = start_script(tmp_path, "ddp", "--slow-from", "2")
+    wait_for(tmp_path / "marker", proc)
+    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the launching process and every worker
+    code, output = finish(proc)
+    assert code == SIGTERM_EXIT_CODE, output[-3000:]
+    last = run_folder(tmp_path) / "checkpoints" / "last.ckpt"
+    assert f"trainer: SIGTERM: saved {last}" in output and "Traceback" not in output
+    step = saved_step(last)
+    assert 2 <= step < 12
+    resumed = fit(tmp_path, "ddp", ckpt_path="last")
+    assert starts(tmp_path) == ["0 0", f"0 {step}"]
+    assert_same_weights(resumed.state_dict(), ddp_run[0])
+    assert metrics_rows(tmp_path) == ddp_run[1]
+
+
+class StuckRank(Net):
+    """Rank 1 stops answering before its third step's all-reduce (a hung data read, a deadlock)."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            Path(self.marker).write_text(repr(time.time()))
+            # With the trainer's handler, SIGTERM only flags a save for a step boundary this rank never
+            # reaches, so the agent would SIGKILL it after its fixed 30 s; the test measures the timeout only.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(600)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(180)
+def test_a_stuck_rank_becomes_an_error_naming_the_collective_within_the_timeout(tmp_path):
+    marker = tmp_path / "stuck_at"
+    trainer = Trainer(strategy="ddp", devices=2, max_epochs=1, timeout=6, logger=False, enable_checkpointing=False,
+                      **QUIET)
+    with pytest.raises(CollectiveTimeoutError) as caught:
+        trainer.fit(StuckRank(str(marker)), fault_script.loaders()[0])
+    elapsed = time.time() - float(marker.read_text())
+    message = str(caught.value)
+    assert message.startswith("rank 0 waited more than 6 s in the gradient all-reduce in backward (DDPStrategy.backward")
+    assert "\n" not in message
+    assert elapsed < 6 + 20, f"the job took {elapsed:.0f} s to fail after rank 1 got stuck"

@@ -1,0 +1,167 @@
+"""self.log: epoch values are whole-epoch values (Metrics computed over the epoch, tensor means weighted by
+batch size), on_step/on_epoch naming, and what the CSV logger writes."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from trainer import Trainer, TrainModule
+
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
+
+
+def classification_data(samples: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 4, generator=generator)
+    return TensorDataset(x, torch.randint(0, 3, (samples,), generator=generator))
+
+
+class Classifier(TrainModule):
+    def __init__(self, hidden: int = 8, note: str = "plain text") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+        self.train_acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.seen: list[tuple[int, float, int, int]] = []  # (epoch, loss, correct, batch size) per train batch
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.seen.append((self.current_epoch, loss.item(), int((logits.argmax(1) == y).sum()), len(y)))
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.log("plain", loss)  # training_step default: on_step only
+        self.log("seen", float(len(y)), reduce_fx="sum", on_step=False, on_epoch=True)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_acc", self.val_acc)
+        self.log("val_loss", F.cross_entropy(logits, y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.fixture(scope="module")
+def datasets():
+    return classification_data(20, seed=1), classification_data(22, seed=2)  # batches of 8: 8, 8, 4 and 8, 8, 6
+
+
+def fit_classifier(datasets, **options) -> tuple[Classifier, Trainer]:
+    train, val = datasets
+    torch.manual_seed(0)
+    module = Classifier()
+    trainer = Trainer(**{"max_epochs": 2, **QUIET, **options})
+    trainer.fit(module, DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
+    return module, trainer
+
+
+def test_validation_metric_is_computed_over_the_whole_set(datasets):
+    module, trainer = fit_classifier(datasets, logger=False)
+    _, val = datasets
+    x, y = val.tensors
+    with torch.no_grad():
+        logits = module(x)
+    accuracy = (logits.argmax(1) == y).float().mean()
+    batch_accuracies = torch.stack([(logits[i:i + 8].argmax(1) == y[i:i + 8]).float().mean() for i in (0, 8, 16)])
+    assert not torch.isclose(batch_accuracies.mean(), accuracy)  # the uneven last batch makes them differ
+    torch.testing.assert_close(trainer.callback_metrics["val_acc"], accuracy)
+    # Tensor values: the mean weighted by batch size, i.e. the loss over the whole set.
+    batch_losses = torch.stack([F.cross_entropy(logits[i:i + 8], y[i:i + 8]) for i in (0, 8, 16)])
+    assert not torch.isclose(batch_losses.mean(), F.cross_entropy(logits, y))
+    torch.testing.assert_close(trainer.callback_metrics["val_loss"], F.cross_entropy(logits, y))
+
+    results = trainer.validate(module, DataLoader(val, batch_size=8))
+    assert results[0].keys() == {"val_acc", "val_loss"}
+    assert results[0]["val_acc"] == pytest.approx(float(accuracy))
+    assert results[0]["val_loss"] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-6)
+
+
+def test_train_epoch_values_and_names(datasets):
+    module, trainer = fit_classifier(datasets, logger=False)
+    last_epoch = [row for row in module.seen if row[0] == 1]
+    assert [row[3] for row in last_epoch] == [8, 8, 4]
+    weighted = sum(loss * size for _, loss, _, size in last_epoch) / 20
+    metrics = trainer.callback_metrics
+    assert float(metrics["train_loss_epoch"]) == pytest.approx(weighted, rel=1e-6)
+    assert float(metrics["train_loss"]) == float(metrics["train_loss_epoch"])
+    assert float(metrics["train_loss_step"]) == pytest.approx(last_epoch[-1][1], rel=1e-6)
+    assert float(metrics["train_acc_epoch"]) == pytest.approx(sum(row[2] for row in last_epoch) / 20)
+    assert float(metrics["train_acc_step"]) == pytest.approx(last_epoch[-1][2] / 4)
+    assert float(metrics["seen"]) == 20.0  # reduce_fx="sum" over the epoch
+    assert "plain_step" not in metrics and "plain_epoch" not in metrics and "plain" in metrics
+
+
+def read_csv(path) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def test_csv_rows_columns_and_hparams(datasets):
+    module, trainer = fit_classifier(datasets, log_every_n_steps=2)
+    folder = trainer.log_dir
+    assert folder.name == "version_0"
+    columns, rows = read_csv(folder / "metrics.csv")
+    assert set(columns) == {"step", "epoch", "train_loss_step", "plain", "train_acc_step", "val_acc", "val_loss",
+                            "train_loss_epoch", "train_acc_epoch", "seen"}
+
+    def steps_with(column):
+        return [(int(row["step"]), int(float(row["epoch"]))) for row in rows if row[column] != ""]
+
+    # 3 optimizer steps per epoch; step rows every 2 steps; the sanity check writes nothing.
+    assert steps_with("train_loss_step") == [(2, 0), (4, 1), (6, 1)]
+    assert steps_with("val_loss") == [(3, 0), (6, 1)]
+    assert steps_with("train_loss_epoch") == [(3, 0), (6, 1)]
+    losses = [loss for _, loss, _, _ in module.seen]
+    assert [float(row["train_loss_step"]) for row in rows if row["train_loss_step"]] == [
+        pytest.approx(losses[i], rel=1e-6) for i in (1, 3, 5)
+    ]
+    assert OmegaConf.to_container(OmegaConf.load(folder / "hparams.yaml")) == {"hidden": 8, "note": "plain text"}
+
+
+def test_second_run_gets_next_version_folder(datasets):
+    _, first = fit_classifier(datasets, max_epochs=1)
+    _, second = fit_classifier(datasets, max_epochs=1)
+    assert (first.log_dir.name, second.log_dir.name) == ("version_0", "version_1")
+    assert (second.log_dir / "metrics.csv").is_file()
+
+
+class ExplicitBatchSize(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        # Weights 1, 3: the epoch mean is (10 * 1 + 20 * 3) / 4, not (10 + 20) / 2.
+        self.log("weighted", 10.0 * (batch_idx + 1), batch_size=2 * batch_idx + 1)
+        self.log("largest", 10.0 * (batch_idx + 1), reduce_fx="max")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_explicit_batch_size_weights_the_mean():
+    data = DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2)
+    results = Trainer(logger=False, **QUIET).validate(ExplicitBatchSize(), data)
+    assert results == [{"weighted": pytest.approx(17.5), "largest": 20.0}]

@@ -1,0 +1,242 @@
+"""The fit loop against a hand-written PyTorch loop: same seed, same batches, bitwise-identical weights.
+
+The Trainer replaces a shuffling RandomSampler by DistributedSampler(num_replicas=1, rank=0, shuffle=True,
+seed=trainer seed) reseeded with set_epoch(epoch), so every reference loop here draws its batches through
+that same sampler. Losses are scaled by 1/accumulate_grad_batches with a multiplication, as the loop does,
+because `loss / 3` and `loss * (1 / 3)` round differently.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+from trainer import Trainer, TrainModule
+
+SEED = 7
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+             logger=False, accelerator="cpu", num_sanity_val_steps=0)
+
+
+def regression_data(samples: int = 44, features: int = 6) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, features, generator=generator)
+    y = x @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(samples, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+def make_optimizer(params, kind: str, lr: float) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+class Regressor(TrainModule):
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.05, scheduler_interval: str | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        optimizer = make_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.lr)
+        if self.hparams.scheduler_interval is None:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval}}
+
+
+def reference_fit(model: Regressor, dataset: TensorDataset, *, batch_size: int, epochs: int, accumulate: int = 1,
+                  clip: tuple[float, str] | None = None, autocast: bool = False) -> list[torch.Tensor]:
+    """The hand-written loop; returns the loss of every micro-batch."""
+    torch.manual_seed(SEED)  # what Trainer(seed=SEED) does at the start of fit
+    optimizer = make_optimizer(model.parameters(), model.hparams.optimizer, model.hparams.lr)
+    interval = model.hparams.scheduler_interval
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if interval else None
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED, drop_last=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    losses = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for batch_idx, (x, y) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = F.mse_loss(model(x), y)
+            losses.append(loss.detach())
+            (loss * (1.0 / accumulate) if accumulate != 1 else loss).backward()
+            if (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == len(loader):
+                if clip is not None and clip[1] == "norm":
+                    torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip[0])
+                elif clip is not None:
+                    torch.nn.utils.clip_grad_value_(list(model.parameters()), clip[0])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if interval == "step":
+                    scheduler.step()
+        if interval == "epoch":
+            scheduler.step()
+    return losses
+
+
+def trainer_fit(module: Regressor, dataset: TensorDataset, batch_size: int, **options) -> list[torch.Tensor]:
+    losses: list[torch.Tensor] = []
+    step = module.training_step
+
+    def recording_step(batch, batch_idx):
+        loss = step(batch, batch_idx)
+        losses.append(loss.detach())
+        return loss
+
+    module.training_step = recording_step
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True)
+    Trainer(seed=SEED, **QUIET, **options).fit(module, loader)
+    return losses
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    state_a, state_b = a.state_dict(), b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(state_a[key], state_b[key]), f"{key} differs from the hand-written loop"
+
+
+def fresh_pair(**hparams) -> tuple[Regressor, Regressor]:
+    torch.manual_seed(123)
+    module = Regressor(**hparams)
+    return module, copy.deepcopy(module)
+
+
+@pytest.mark.parametrize(
+    ("hparams", "options", "reference"),
+    [
+        pytest.param({}, {"max_epochs": 3}, {"epochs": 3}, id="sgd"),
+        pytest.param({"optimizer": "adam", "lr": 0.01}, {"max_epochs": 2}, {"epochs": 2}, id="adam"),
+        # 6 batches per epoch, accumulate 4: one full step and a tail step of 2 micro-batches per epoch.
+        pytest.param({}, {"max_epochs": 2, "accumulate_grad_batches": 4}, {"epochs": 2, "accumulate": 4}, id="accumulate-tail"),
+        pytest.param({}, {"max_epochs": 2, "accumulate_grad_batches": 3}, {"epochs": 2, "accumulate": 3}, id="accumulate-3"),
+        pytest.param({}, {"max_epochs": 2, "gradient_clip_val": 0.05}, {"epochs": 2, "clip": (0.05, "norm")}, id="clip-norm"),
+        pytest.param({}, {"max_epochs": 2, "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+                     {"epochs": 2, "clip": (0.01, "value")}, id="clip-value"),
+        pytest.param({"scheduler_interval": "step"}, {"max_epochs": 2}, {"epochs": 2}, id="scheduler-step"),
+        pytest.param({"scheduler_interval": "epoch"}, {"max_epochs": 3}, {"epochs": 3}, id="scheduler-epoch"),
+        pytest.param({"optimizer": "adam", "lr": 0.01}, {"max_epochs": 2, "precision": "bf16-mixed"},
+                     {"epochs": 2, "autocast": True}, id="bf16-mixed"),
+    ],
+)
+def test_fit_matches_hand_written_loop(hparams, options, reference):
+    dataset = regression_data()
+    module, expected = fresh_pair(**hparams)
+    losses = trainer_fit(module, dataset, batch_size=8, **options)
+    expected_losses = reference_fit(expected, dataset, batch_size=8, **reference)
+    assert len(losses) == len(expected_losses) == 6 * reference["epochs"]
+    assert torch.equal(torch.stack(losses), torch.stack(expected_losses))
+    assert_same_weights(module, expected)
+    assert module.trainer.global_step == expected_global_steps(reference)
+
+
+def expected_global_steps(reference: dict) -> int:
+    accumulate = reference.get("accumulate", 1)
+    return reference["epochs"] * -(-6 // accumulate)
+
+
+def test_bf16_reference_differs_from_fp32():
+    """Guards the bf16 case above: if autocast did nothing, matching the autocast reference would be luck."""
+    dataset = regression_data()
+    _, bf16 = fresh_pair()
+    _, fp32 = fresh_pair()
+    reference_fit(bf16, dataset, batch_size=8, epochs=1, autocast=True)
+    reference_fit(fp32, dataset, batch_size=8, epochs=1)
+    assert not torch.equal(bf16.net[0].weight, fp32.net[0].weight)
+
+
+class ManualRegressor(Regressor):
+    automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+    def on_train_epoch_end(self):
+        self.lr_schedulers().step()  # manual optimization: the user steps schedulers, the loop never does
+
+
+def test_manual_optimization_matches_hand_written_loop():
+    dataset = regression_data()
+    torch.manual_seed(123)
+    module = ManualRegressor(scheduler_interval="epoch")
+    expected = copy.deepcopy(module)
+    trainer_fit(module, dataset, batch_size=8, max_epochs=3)
+    reference_fit(expected, dataset, batch_size=8, epochs=3)
+    assert_same_weights(module, expected)
+    assert module.trainer.global_step == 18
+    # StepLR(step_size=2) stepped once per epoch by the user only: 3 steps -> lr * 0.5.
+    assert module.optimizers().param_groups[0]["lr"] == pytest.approx(0.05 * 0.5)
+
+
+class Stream(IterableDataset):
+    """A dataset without a length: the loop only learns that a batch was the epoch's last by looking ahead."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self):
+        return iter(self.dataset)
+
+
+def test_iterable_dataset_steps_on_the_tail_like_a_hand_written_loop():
+    dataset = regression_data()
+    module, expected = fresh_pair()
+    Trainer(seed=SEED, max_epochs=2, accumulate_grad_batches=4, **QUIET).fit(module, DataLoader(Stream(dataset), batch_size=8))
+
+    optimizer = make_optimizer(expected.parameters(), "sgd", 0.05)
+    for _ in range(2):
+        batches = list(DataLoader(dataset, batch_size=8))
+        for batch_idx, (x, y) in enumerate(batches):
+            (F.mse_loss(expected(x), y) * 0.25).backward()
+            if (batch_idx + 1) % 4 == 0 or batch_idx + 1 == len(batches):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    assert_same_weights(module, expected)
+    assert module.trainer.global_step == 4 and module.trainer.current_epoch == 2
+
+
+def test_lr_scaling_with_warmup_matches_hand_written_loop():
+    """lr_scaling='linear' scales by data-parallel size * accumulate_grad_batches (here 1 * 2), reached by warm-up."""
+    dataset = regression_data(samples=32)  # 4 batches: 2 steps per epoch
+    module, expected = fresh_pair(lr=0.03)
+    Trainer(seed=SEED, max_epochs=3, accumulate_grad_batches=2, lr_scaling="linear", lr_warmup_steps=3,
+            **QUIET).fit(module, DataLoader(dataset, batch_size=8, shuffle=True))
+
+    optimizer = make_optimizer(expected.parameters(), "sgd", 0.03)
+    optimizer.param_groups[0]["lr"] *= 2.0
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    step = 0
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for batch_idx, (x, y) in enumerate(DataLoader(dataset, batch_size=8, sampler=sampler)):
+            (F.mse_loss(expected(x), y) * 0.5).backward()
+            if batch_idx % 2 == 1:
+                scaled = optimizer.param_groups[0]["lr"]
+                if step < 3:
+                    optimizer.param_groups[0]["lr"] = scaled * ((1.0 + step / 3) / 2.0)
+                optimizer.step()
+                optimizer.param_groups[0]["lr"] = scaled
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+    assert_same_weights(module, expected)
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == 0.03 * 2.0  # exactly: no drift from warm-up

@@ -1,0 +1,160 @@
+"""TrainModule's own surface: hparams, what configure_optimizers may return, manual optimization helpers."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainer import DataModule, Trainer, TrainModule
+from trainer.errors import MisconfigurationError
+
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
+             accelerator="cpu")
+
+
+class WithHparams(TrainModule):
+    def __init__(self, width: int, depth: int = 2, *, activation: str = "relu", encoder: nn.Module | None = None,
+                 **extra) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore="encoder")
+        self.layer = nn.Linear(width, 1)
+
+
+def test_save_hyperparameters_keeps_init_arguments():
+    module = WithHparams(4, activation="gelu", encoder=nn.Linear(1, 1), dropout=0.1)
+    assert dict(module.hparams) == {"width": 4, "depth": 2, "activation": "gelu", "dropout": 0.1}
+    assert module.hparams.width == 4
+    with pytest.raises(AttributeError, match=r"hparams has no 'lr'; it holds \['activation', 'depth', 'dropout', 'width'\]"):
+        module.hparams.lr  # noqa: B018
+
+
+def test_save_hyperparameters_by_name_and_on_a_datamodule():
+    class Named(TrainModule):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__()
+            self.save_hyperparameters("b")
+
+    class Data(DataModule):
+        def __init__(self, batch_size: int = 32) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    assert dict(Named(1, 2).hparams) == {"b": 2}
+    assert dict(Data(batch_size=8).hparams) == {"batch_size": 8}
+
+
+def test_outside_a_trainer():
+    module = WithHparams(2)
+    module.log("ignored", 1.0)  # nothing collects outside fit/validate/test, as in Lightning
+    assert (module.current_epoch, module.global_step, module.global_rank) == (0, 0, 0)
+    assert module.device == torch.device("cpu")
+    with pytest.raises(MisconfigurationError, match="WithHparams is not attached to a Trainer yet"):
+        module.trainer  # noqa: B018
+
+
+class Regressor(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return (self.layer(batch[0]) - batch[1]).pow(2).mean()
+
+
+def data(batches: int = 4) -> DataLoader:
+    x = torch.randn(2 * batches, 2)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2)
+
+
+def fit_with(configure, epochs: int = 2) -> Trainer:
+    module = Regressor()
+    module.configure_optimizers = lambda: configure(module)
+    trainer = Trainer(max_epochs=epochs, **QUIET)
+    trainer.fit(module, data())
+    return trainer
+
+
+def learning_rate(trainer: Trainer) -> float:
+    return trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_configure_optimizers_return_forms():
+    def sgd(module):
+        return torch.optim.SGD(module.parameters(), lr=1.0)
+
+    def halving(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    # 4 batches per epoch, 2 epochs: 8 steps, 2 epoch ends.
+    assert learning_rate(fit_with(sgd)) == 1.0
+    assert learning_rate(fit_with(lambda m: (o := sgd(m), halving(o)))) == 0.25
+    assert learning_rate(fit_with(lambda m: ([o := sgd(m)], [halving(o)]))) == 0.25
+    assert learning_rate(fit_with(lambda m: {"optimizer": (o := sgd(m)), "lr_scheduler": halving(o)})) == 0.25
+    step_every_2 = {"scheduler": None, "interval": "step", "frequency": 2}
+    assert learning_rate(fit_with(lambda m: {"optimizer": (o := sgd(m)),
+                                             "lr_scheduler": {**step_every_2, "scheduler": halving(o)}})) == 0.5**4
+
+
+def test_reduce_lr_on_plateau_reads_its_monitored_metric():
+    class Plateau(Regressor):
+        def training_step(self, batch, batch_idx):
+            self.log("flat", 1.0, on_step=False, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "flat"}}
+
+    trainer = Trainer(max_epochs=3, **QUIET)
+    trainer.fit(Plateau(), data())
+    assert learning_rate(trainer) == 0.25  # the first epoch sets the best value; two flat epochs halve twice
+
+    class Unlogged(Plateau):
+        def training_step(self, batch, batch_idx):
+            return Regressor.training_step(self, batch, batch_idx)
+
+    with pytest.raises(MisconfigurationError, match="ReduceLROnPlateau monitors 'flat', which was not logged"):
+        Trainer(max_epochs=1, **QUIET).fit(Unlogged(), data())
+
+
+class TwoOptimizers(Regressor):
+    automatic_optimization = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        assert self.lr_schedulers() is None
+        for optimizer, layer in ((first, self.layer), (second, self.other)):
+            loss = (layer(batch[0]) - batch[1]).pow(2).mean()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)]
+
+
+def test_manual_optimization_with_two_optimizers():
+    torch.manual_seed(0)
+    module = TwoOptimizers()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = Trainer(max_epochs=1, **QUIET)
+    trainer.fit(module, data())  # training_step returns None: fine under manual optimization
+    assert trainer.global_step == 4
+    assert all(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
+def test_module_pickles_without_its_trainer():
+    module = Regressor()
+    module._trainer = Trainer(**QUIET)
+    copy = pickle.loads(pickle.dumps(module))
+    assert copy._trainer is None
+    assert torch.equal(copy.layer.weight, module.layer.weight)

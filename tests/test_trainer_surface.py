@@ -1,0 +1,252 @@
+"""The Trainer's entry points and options: what runs, how often, in which order, and what comes back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks import Callback
+from trainer import DataModule, Trainer, TrainModule
+
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
+             accelerator="cpu")
+
+
+def dataset(samples: int = 20) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 3, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def loader(samples: int = 20, batch_size: int = 4) -> DataLoader:
+    return DataLoader(dataset(samples), batch_size=batch_size)
+
+
+class Counting(TrainModule):
+    """Counts its step calls and logs a loss per stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 1)
+        self.calls = {"train": 0, "val": 0, "test": 0, "predict": 0}
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        self.calls["train"] += 1
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.calls["val"] += 1
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        self.calls["test"] += 1
+        self.log("test_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        self.calls["predict"] += 1
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class CountValidations(Callback):
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int]] = []  # (epoch, global_step) of each validation outside the sanity check
+
+    def on_validation_end(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.at.append((trainer.current_epoch, trainer.global_step))
+
+
+def test_validate_and_test_return_metric_dicts_and_predict_keeps_order(tmp_path):
+    module = Counting()
+    trainer = Trainer(max_epochs=1, **QUIET)
+    trainer.fit(module, loader())
+    x, y = dataset().tensors
+    with torch.no_grad():
+        expected = F.mse_loss(module(x), y)
+    [validated] = trainer.validate(module, loader(batch_size=6))  # 6, 6, 6, 2: weighted by batch size
+    [tested] = trainer.test(module, loader(batch_size=6))
+    assert validated == {"val_loss": pytest.approx(float(expected), rel=1e-5)}
+    assert tested == {"test_loss": pytest.approx(float(expected), rel=1e-5)}
+
+    predictions = trainer.predict(module, loader(batch_size=6))
+    assert [len(p) for p in predictions] == [6, 6, 6, 2]
+    with torch.no_grad():
+        assert torch.equal(torch.cat(predictions), module(x))
+    assert len(trainer.predict(module, [loader(8), loader(4)])) == 2  # one list per loader
+
+    # test(ckpt_path=...) evaluates the checkpoint's weights, not the module's current ones.
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    with torch.no_grad():
+        module.layer.weight.add_(10.0)
+    assert trainer.test(module, loader(batch_size=6), ckpt_path=tmp_path / "a.ckpt") == [tested]
+
+
+def test_fast_dev_run_runs_one_batch_and_writes_nothing(tmp_path):
+    module = Counting()
+    trainer = Trainer(fast_dev_run=True, max_epochs=5, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader(), loader())
+    assert module.calls == {"train": 1, "val": 1, "test": 0, "predict": 0}
+    assert trainer.global_step == 1
+    trainer.test(module, loader())
+    assert module.calls["test"] == 1
+    assert os.listdir(tmp_path) == []  # the test runs in tmp_path: no runs/, no checkpoint, no metrics
+
+
+@pytest.mark.parametrize(("limit", "batches"), [(3, 3), (0.5, 2), (1.0, 5), (100, 5)])
+def test_limit_batches(limit, batches):
+    module = Counting()
+    trainer = Trainer(max_epochs=2, num_sanity_val_steps=0, limit_train_batches=limit, limit_val_batches=limit,
+                      limit_test_batches=limit, limit_predict_batches=limit, **QUIET)
+    trainer.fit(module, loader(), loader())
+    trainer.test(module, loader())
+    trainer.predict(module, loader())
+    assert module.calls == {"train": 2 * batches, "val": 2 * batches, "test": batches, "predict": batches}
+
+
+@pytest.mark.parametrize(
+    ("interval", "steps_of_validation"),
+    [
+        (1.0, [5, 10]),
+        (0.5, [2, 4, 5, 7, 9, 10]),  # every int(5 * 0.5) = 2 batches, and at each epoch end
+        (2, [2, 4, 5, 7, 9, 10]),
+        (5, [5, 10]),
+    ],
+)
+def test_val_check_interval(interval, steps_of_validation):
+    counter = CountValidations()
+    module = Counting()
+    Trainer(max_epochs=2, val_check_interval=interval, callbacks=[counter], **QUIET).fit(module, loader(), loader(8))
+    assert [step for _, step in counter.at] == steps_of_validation
+    assert module.calls["val"] == 2 * len(steps_of_validation) + 2  # 2 batches each, plus 2 sanity batches
+
+
+def test_check_val_every_n_epoch():
+    counter = CountValidations()
+    Trainer(max_epochs=4, check_val_every_n_epoch=2, callbacks=[counter], **QUIET).fit(Counting(), loader(), loader())
+    assert counter.at == [(1, 10), (3, 20)]
+
+
+@pytest.mark.parametrize(("accumulate", "max_steps", "batches"), [(1, 7, 7), (2, 4, 7), (2, 3, 5)])
+def test_max_steps_stops_exactly(accumulate, max_steps, batches):
+    # 5 batches per epoch; with accumulate 2 an epoch makes 3 steps (after batches 2, 4 and the tail batch 5).
+    module = Counting()
+    trainer = Trainer(max_steps=max_steps, accumulate_grad_batches=accumulate, **QUIET)
+    trainer.fit(module, loader())
+    assert trainer.global_step == max_steps
+    assert module.calls["train"] == batches
+
+
+class StopAtFirstEpochEnd(Callback):
+    def on_train_epoch_end(self, trainer, module):
+        trainer.should_stop = True
+
+
+@pytest.mark.parametrize(("min_epochs", "epochs"), [(0, 1), (3, 3)])
+def test_min_epochs_overrides_should_stop(min_epochs, epochs):
+    module = Counting()
+    trainer = Trainer(max_epochs=10, min_epochs=min_epochs, callbacks=[StopAtFirstEpochEnd()], **QUIET)
+    trainer.fit(module, loader())
+    assert trainer.current_epoch == epochs
+    assert module.calls["train"] == 5 * epochs
+
+
+def test_max_epochs_minus_one_runs_until_max_steps():
+    trainer = Trainer(max_epochs=-1, max_steps=23, **QUIET)
+    trainer.fit(Counting(), loader())
+    assert (trainer.global_step, trainer.current_epoch) == (23, 4)
+
+
+class RecordingDataModule(DataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def prepare_data(self):
+        self.calls.append("prepare_data")
+
+    def setup(self, stage):
+        self.calls.append(f"setup:{stage}")
+
+    def teardown(self, stage):
+        self.calls.append(f"teardown:{stage}")
+
+    def train_dataloader(self):
+        self.calls.append("train_dataloader")
+        return loader()
+
+    def val_dataloader(self):
+        self.calls.append("val_dataloader")
+        return loader()
+
+    def test_dataloader(self):
+        self.calls.append("test_dataloader")
+        return loader()
+
+
+def test_datamodule_hook_order():
+    datamodule = RecordingDataModule()
+    trainer = Trainer(max_epochs=1, **QUIET)
+    trainer.fit(Counting(), datamodule=datamodule)
+    assert datamodule.calls == ["prepare_data", "setup:fit", "train_dataloader", "val_dataloader", "teardown:fit"]
+    datamodule.calls.clear()
+    trainer.test(datamodule=datamodule)  # the module from fit, the datamodule given here
+    assert datamodule.calls == ["prepare_data", "setup:test", "test_dataloader", "teardown:test"]
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+
+def _recording(name: str):
+    def hook(self, trainer, module, *args):
+        self.calls.append(name)
+
+    return hook
+
+
+for _name in [n for n in vars(Callback) if n.startswith("on_") or n in ("setup", "teardown")]:
+    setattr(Recorder, _name, _recording(_name))
+
+VALIDATION = ["on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
+              "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end"]
+MICRO_BATCH = ["on_train_batch_start", "on_before_backward", "on_after_backward"]
+STEP = ["on_before_optimizer_step", "on_before_zero_grad"]
+
+
+def test_callback_hook_order_matches_the_documented_loop():
+    recorder = Recorder()
+    trainer = Trainer(max_epochs=1, accumulate_grad_batches=2, num_sanity_val_steps=1, callbacks=[recorder], **QUIET)
+    trainer.fit(Counting(), loader(samples=8), loader(samples=4))
+    assert recorder.calls == [
+        "setup", "on_fit_start",
+        "on_sanity_check_start", *VALIDATION, "on_sanity_check_end",
+        "on_train_start", "on_train_epoch_start",
+        *MICRO_BATCH, "on_train_batch_end",
+        *MICRO_BATCH, *STEP, "on_train_batch_end",
+        *VALIDATION,
+        "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown",
+    ]
+
+
+class FailingStep(Counting):
+    def training_step(self, batch, batch_idx):
+        raise KeyError("boom")
+
+
+def test_exception_reaches_callbacks_and_teardown_still_runs():
+    recorder = Recorder()
+    with pytest.raises(KeyError, match="boom"):
+        Trainer(max_epochs=1, callbacks=[recorder], **QUIET).fit(FailingStep(), loader())
+    assert recorder.calls[-2:] == ["on_exception", "teardown"]

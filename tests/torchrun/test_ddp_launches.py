@@ -1,0 +1,145 @@
+"""Real launches of a user's script (ddp_script.py): torchrun, srun-like variables, and `python script.py`.
+
+One launch per test. Every process is started in its own session and killed with its children when a
+test ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ddp_script
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.environment import find_free_port
+
+SCRIPT = Path(ddp_script.__file__)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def launch(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, timeout: float = 150) -> list[tuple[int, str, float]]:
+    """Run the commands side by side; (exit code, output, seconds since start at exit) for each."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SCRIPT.parent), base.get("PYTHONPATH", "")]))
+    start = time.time()
+    procs = [subprocess.Popen(command, env={**base, **env}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for command, env in commands]
+    results = []
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=max(1.0, timeout - (time.time() - start)))
+            results.append((proc.returncode, output, time.time()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results
+
+
+def load_rank(out: Path, rank: int) -> dict:
+    return torch.load(out / f"rank{rank}.pt", weights_only=True)
+
+
+def assert_trained_like_the_reference(state: dict[str, torch.Tensor]) -> None:
+    reference = ddp_script.concatenated_reference()
+    for key, value in reference.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+def full_set_loss(state: dict[str, torch.Tensor]) -> float:
+    module = ddp_script.Line()
+    module.load_state_dict(state)
+    x, y = ddp_script.data().tensors
+    with torch.no_grad():
+        return F.mse_loss(module.layer(x), y).item()
+
+
+@pytest.mark.timeout(180)
+def test_two_torchrun_agents_as_two_nodes_train_one_model(tmp_path):
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    agent = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+             "--rdzv-id=two-nodes", str(SCRIPT), "train", str(tmp_path), "1", "2"]
+    results = launch([(agent, {}), (agent, {})], tmp_path)
+    assert [code for code, _, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    ranks = [load_rank(tmp_path, rank) for rank in (0, 1)]
+    assert_trained_like_the_reference(ranks[0]["state_dict"])
+    assert_trained_like_the_reference(ranks[1]["state_dict"])
+    # validate() ran in a second process group of the same processes; every sample counted once.
+    assert ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[0]["state_dict"]), rel=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_srun_variables_launch_two_ranks_that_build_their_own_rendezvous(tmp_path):
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
+             "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "MASTER_PORT": str(find_free_port())}
+    command = [sys.executable, str(SCRIPT), "train", str(tmp_path)]
+    results = launch([(command, {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)], tmp_path)
+    assert [code for code, _, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    ranks = [load_rank(tmp_path, rank) for rank in (0, 1)]
+    assert_trained_like_the_reference(ranks[0]["state_dict"])
+    assert ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[1]["state_dict"]), rel=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_raises_under_torchrun_ends_the_job_within_seconds(tmp_path):
+    command = [*TORCHRUN, "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}",
+               str(SCRIPT), "fail", str(tmp_path)]
+    [(code, output, ended)] = launch([(command, {})], tmp_path)
+    assert code != 0
+    assert "rank 1 fails on purpose" in output
+    elapsed = ended - float((tmp_path / "raised_at").read_text())
+    # Rank 0 waits in an all-reduce whose timeout is 1800 s; the job must not wait for it.
+    assert elapsed < 30, f"torchrun took {elapsed:.1f} s to exit after rank 1 raised"
+
+
+@pytest.mark.timeout(180)
+def test_python_script_starts_its_own_workers_and_gets_the_trained_module_back(tmp_path):
+    [(code, output, _)] = launch([([sys.executable, str(SCRIPT), "train", str(tmp_path)], {})], tmp_path)
+    assert code == 0, output[-3000:]
+    assert_trained_like_the_reference(torch.load(tmp_path / "caller.pt", weights_only=True))
+    assert "Traceback" not in output
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_started_by_the_trainer_itself_meet_at_master_addr(tmp_path):
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
+    outs = [tmp_path / f"node{n}" for n in (0, 1)]
+    for out in outs:
+        out.mkdir()
+    commands = [([sys.executable, str(SCRIPT), "train", str(outs[n]), "1", "2"], {**rendezvous, "NODE_RANK": str(n)})
+                for n in (0, 1)]
+    results = launch(commands, tmp_path)
+    assert [code for code, _, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    # Node 0 holds global rank 0, whose trained weights come back to its calling process.
+    assert_trained_like_the_reference(torch.load(outs[0] / "caller.pt", weights_only=True))
+
+
+UNGUARDED = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from trainer import Trainer
+from ddp_script import Line
+
+data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False).fit(Line(), DataLoader(data, batch_size=4))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    [(code, output, _)] = launch([([sys.executable, str(script)], {})], tmp_path)
+    assert code != 0
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("trainer.errors.MisconfigurationError: ") and "unguarded.py:8 starts a 2-process job" in last
+    assert 'if __name__ == "__main__":' in last
+    assert "run_worker" not in output  # no worker ever ran

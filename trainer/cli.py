@@ -1,0 +1,199 @@
+"""The `trainer` command: run a recipe, print its resolved config, or plot runs.
+
+    trainer fit|validate|test|predict RECIPE [RECIPE ...] [dotted.key=value ...]
+    trainer config RECIPE [...] [dotted.key=value ...]      the resolved recipe as YAML
+    trainer config --reference [--readme README.md]         every trainer option (and the README table)
+    trainer plot RUN_DIR [RUN_DIR ...] -o curves.png
+
+A mistake in the command or the recipe prints one line on stderr and exits with status 2 before any
+process starts (`--verbose` adds the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import yaml
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
+
+from trainer.errors import CheckpointError, MisconfigurationError
+
+STAGES = ("fit", "validate", "test", "predict")
+USAGE_ERROR = 2
+VERBOSE_FLAGS = ("-v", "--verbose")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `trainer` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --verbose may stand anywhere, even between a recipe and its overrides, where argparse would
+    # take it for the end of the positional arguments: read it here, let argparse document it.
+    verbose = any(token in VERBOSE_FLAGS for token in argv)
+    try:
+        args = build_parser().parse_args([token for token in argv if token not in VERBOSE_FLAGS])
+    except SystemExit as exit_:  # argparse's own usage errors (status 2) and --help (status 0)
+        return int(exit_.code or 0)
+    args.verbose = verbose
+    return run_command(args.handler, args)
+
+
+def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """The one place user mistakes become one line on stderr and exit status 2."""
+    try:
+        return handler(args)
+    except (MisconfigurationError, CheckpointError, OmegaConfBaseException, yaml.YAMLError) as err:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"trainer {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def _one_line(err: BaseException) -> str:
+    text = describe_config_error(err) if isinstance(err, OmegaConfBaseException) else str(err)
+    return " ".join(text.split())
+
+
+def describe_config_error(err: OmegaConfBaseException) -> str:
+    """One line for an omegaconf error: the key, what is wrong and what to do."""
+    from trainer.config import TrainerConfig
+
+    key = getattr(err, "full_key", None) or ""
+    message = str(getattr(err, "msg", None) or err).strip().splitlines()[0]  # drop omegaconf's object_type lines
+    prefix = f"{key}: " if key else ""
+    if isinstance(err, InterpolationResolutionError):
+        return (f"{prefix}cannot resolve an interpolation: {message}; point ${{...}} at a key of the recipe, or "
+                "give environment variables a default: ${oc.env:VAR,default}.")
+    if isinstance(err, ValidationError) and key.startswith("trainer."):
+        field = {f.name: f for f in dataclasses.fields(TrainerConfig)}.get(key.split(".", 1)[1])
+        if field is not None:
+            return f"{prefix}{message}; {key} takes {field.type} (default {field.default!r})."
+    return f"{prefix}{message}."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument(*VERBOSE_FLAGS, action="store_true", help="show the traceback of an error")
+    parser = argparse.ArgumentParser(prog="trainer", parents=[verbose],
+                                     description="Train, evaluate and inspect PyTorch models from YAML recipes.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sources_help = "recipe files (merged left to right) and dotted.key=value overrides (values parsed as YAML)"
+    for stage in STAGES:
+        sub = commands.add_parser(stage, parents=[verbose], help=f"{stage} with a recipe")
+        sub.add_argument("sources", nargs="+", metavar="RECIPE|KEY=VALUE", help=sources_help)
+        sub.set_defaults(handler=run_stage)
+    config = commands.add_parser("config", parents=[verbose], help="print the resolved recipe as YAML")
+    config.add_argument("sources", nargs="*", metavar="RECIPE|KEY=VALUE", help=sources_help)
+    config.add_argument("--reference", action="store_true", help="print every trainer option as a Markdown table")
+    config.add_argument("--readme", metavar="PATH", help="with --reference: rewrite the table in this README")
+    config.set_defaults(handler=show_config)
+    plot = commands.add_parser("plot", parents=[verbose], help="draw the logged metrics of runs to a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="version folders holding metrics.csv")
+    plot.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default: curves.png)")
+    plot.set_defaults(handler=plot_runs)
+    return parser
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    """fit / validate / test / predict: build everything from the recipe, then run the stage."""
+    from trainer import Trainer, seed_everything
+    from trainer.recipe import load_recipe
+
+    _import_from_cwd()
+    recipe = load_recipe(args.sources)  # every check happens here, before anything is built
+    if recipe.trainer.seed is not None:
+        seed_everything(recipe.trainer.seed)  # the model's initial weights depend on it too
+    trainer = Trainer(callbacks=[spec.instantiate() for spec in recipe.callbacks], **recipe.trainer_options())
+    trainer.run_config = recipe.to_dict(with_ckpt_path=False)  # config.yaml reruns; ckpt_path=last resumes
+    datamodule, module = recipe.data.instantiate(), recipe.model.instantiate()
+    if args.command == "fit":
+        trainer.fit(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path)
+    elif args.command == "predict":
+        _show_predictions(trainer.predict(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path), trainer)
+    else:
+        if recipe.ckpt_path is None:
+            print(f"trainer {args.command}: note: no ckpt_path given; evaluating the model's initial weights.",
+                  file=sys.stderr)
+        run = trainer.validate if args.command == "validate" else trainer.test
+        _show_metrics(run(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path), args.command)
+    return 0
+
+
+def show_config(args: argparse.Namespace) -> int:
+    """Print the resolved recipe, or the reference of trainer options."""
+    from trainer.config import reference_table, update_readme
+    from trainer.recipe import load_recipe
+
+    if args.reference:
+        if args.readme:
+            changed = update_readme(args.readme)
+            print(f"{args.readme}: {'table updated' if changed else 'table already up to date'}")
+        else:
+            print(reference_table(), end="")
+        return 0
+    if args.readme:
+        raise MisconfigurationError("--readme goes with --reference: `trainer config --reference --readme README.md`.")
+    _import_from_cwd()
+    print(load_recipe(args.sources).to_yaml(), end="")
+    return 0
+
+
+def plot_runs(args: argparse.Namespace) -> int:
+    from trainer.plot import plot_runs as draw
+
+    path = draw(args.run_dirs, args.output)
+    print(f"wrote {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _import_from_cwd() -> None:
+    # A console script does not put the working directory on sys.path, but recipes name classes
+    # in the user's own modules next to them, as `python script.py` would find them.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def _show_metrics(results: list[dict[str, float]], stage: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{stage} results")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for metrics in results:
+        for name, value in sorted(metrics.items()):
+            table.add_row(name, f"{value:.6g}")
+    Console().print(table)
+
+
+def _show_predictions(outputs: list[Any], trainer: Any) -> None:
+    """Text predictions are printed; anything else is saved next to the run's logs."""
+    flat = _flatten(outputs)
+    if flat and all(isinstance(item, str) for item in flat):
+        for text in flat:
+            print(text)
+            print("-" * 72)
+        return
+    import torch
+
+    path = trainer.log_dir / "predictions.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(outputs, path)
+    print(f"{len(outputs)} batches of predictions saved to {path}")
+
+
+def _flatten(items: Any) -> list[Any]:
+    if isinstance(items, (list, tuple)):
+        return [leaf for item in items for leaf in _flatten(item)]
+    return [items]

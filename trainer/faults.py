@@ -1,0 +1,325 @@
+"""What a run does when it is told to stop, when its loss goes bad, when a peer hangs, and where a resumed
+or restarted run picks up. The loop calls these in one line each.
+
+SIGTERM (what SLURM and Kubernetes send some seconds before SIGKILL)
+    During fit each training process catches SIGTERM, and the handler only sets a flag (saving inside a
+    handler could interrupt a collective or a file write half-way). At the next optimizer-step boundary,
+    after that batch's validation if one is due, the ranks agree that one of them was signalled, all of
+    them join the save of `last.ckpt` (in the ModelCheckpoint folder, else `<log_dir>/checkpoints/`), and
+    fit raises `Terminated`: a SystemExit with code 143 (128 + SIGTERM, what a process killed by SIGTERM
+    reports, so a scheduler counts the run as stopped, not as completed). `fit(ckpt_path="last")` then
+    resumes exactly there. Under the Trainer's launcher the elastic agent forwards SIGTERM to the workers
+    and waits a few seconds (launcher.py) before SIGKILL; a step longer than that loses the steps since
+    the last checkpoint, nothing more. The previous handler is back once fit returns. A rank stuck where
+    no step boundary comes (a hung read) ignores SIGTERM, so when the job fails around it the agent takes
+    its fixed 30 s to SIGKILL it.
+
+Non-finite losses (`Trainer(nonfinite_loss=...)`)
+    'error' (default) stops before the optimizer step of a batch whose loss is NaN or inf, naming the step,
+    epoch and batch: the weights, and so every checkpoint, stay finite. 'skip' drops that step instead
+    (gradients zeroed; no optimizer, scheduler or global_step advance) and counts it per epoch in the
+    logged `train/skipped_nonfinite`. 'ignore' checks nothing.
+    Cost: the losses of an accumulation window are checked once per optimizer step, which reads one flag
+    on the host; on a GPU that waits for the step's kernels (one sync per step, none per micro-batch).
+    Ranks that step together (ddp, pipeline) settle the non-finite and SIGTERM flags with one 2-value
+    all-reduce per optimizer step, so they skip, stop or save at the same step and none is left waiting.
+
+Collective timeouts (`Trainer(timeout=...)`)
+    gloo gives up on a collective after the process-group timeout; the error it raises names a socket
+    operation. `raise_if_collective_timeout` turns it into a CollectiveTimeoutError naming the strategy
+    call that waited and its caller (NCCL's watchdog aborts the process itself, with its own report).
+
+Resuming
+    `ckpt_path="last"` and an elastic restart take the newest checkpoint of the run's folder that loads:
+    a truncated or corrupt file is skipped with a warning naming it, and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import traceback
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from trainer.strategies import Strategy
+    from trainer.trainer import Trainer
+
+SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
+NONFINITE_MODES = ("error", "skip", "ignore")
+
+
+class Terminated(SystemExit):
+    """Raised out of fit once a SIGTERM's checkpoint is saved; exits the process with SIGTERM_EXIT_CODE."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss was NaN or inf (nonfinite_loss='error')."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within Trainer(timeout=...): another rank is stuck or gone."""
+
+
+# --------------------------------------------------------------------------- the step guard
+
+
+class StepGuard:
+    """One fit's SIGTERM flag and non-finite loss check, both settled at optimizer-step boundaries.
+
+    `with StepGuard(trainer) as guard:` installs the SIGTERM handler (main thread only) and restores the
+    previous one on exit.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.mode: str = trainer.config.nonfinite_loss
+        self.signalled = False
+        self._losses: list[tuple[int, torch.Tensor]] = []  # the accumulation window's (batch_idx, loss)
+        self._stop: bool | None = None  # what the ranks agreed at this batch's step boundary, until acted on
+        self._previous_handler: Any = None
+        self._installed = False
+
+    def __enter__(self) -> StepGuard:
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._installed:
+            previous = self._previous_handler
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            self._installed = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+
+    def record(self, output: Any, batch_idx: int) -> None:
+        """Keep a micro-batch's loss until its optimizer step checks it (nothing is read back here)."""
+        if self.mode == "ignore":
+            return
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, torch.Tensor):
+            self._losses.append((batch_idx, loss.detach()))
+
+    def allow_step(self) -> bool:
+        """At a micro-batch that steps: settle the window across ranks; False when its step is skipped."""
+        losses, self._losses = self._losses, []
+        local = _first_nonfinite(losses)
+        bad, self._stop = self._agree(local is not None)
+        if not bad:
+            return True
+        if self.mode == "error":
+            raise NonFiniteLossError(self._describe(local))
+        for optimizer in self.trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.trainer.module.log("train/skipped_nonfinite", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        return False
+
+    def stop_if_signalled(self) -> None:
+        """Between batches, at a step boundary: when any rank got SIGTERM, save a checkpoint on every rank and exit."""
+        if self._stop is None:
+            if self.trainer.module.automatic_optimization:
+                return  # not a step boundary: gradients accumulated since the last step would be lost
+            _, self._stop = self._agree(False)  # manual optimization: every batch is a boundary
+        stop, self._stop = self._stop, None
+        if stop:
+            self._terminate()
+
+    def _agree(self, bad: bool) -> tuple[bool, bool]:
+        """(some rank's loss was non-finite, some rank got SIGTERM), the same on every rank that steps in lockstep."""
+        strategy = self.trainer.strategy
+        if strategy.world_size == 1 or not strategy.steps_in_lockstep:
+            return bad, self.signalled
+        flags = strategy.reduce(torch.tensor([float(bad), float(self.signalled)]), "max").tolist()
+        return flags[0] > 0, flags[1] > 0
+
+    def _describe(self, local: tuple[int, float] | None) -> str:
+        strategy, progress = self.trainer.strategy, self.trainer.progress
+        lockstep = strategy.world_size > 1 and strategy.steps_in_lockstep
+        seen = strategy.all_gather_object(local) if lockstep else [local]
+        rank, (batch_idx, value) = next((r, item) for r, item in enumerate(seen) if item is not None)
+        where = f" on rank {rank}" if len(seen) > 1 else ""
+        return (
+            f"the training loss was {value}{where} at global step {progress.global_step} (epoch {progress.epoch}, "
+            f"batch {batch_idx}); training stopped before that optimizer step, so the weights and the last "
+            "checkpoint are finite. Lower the learning rate, clip gradients or check that batch, or set "
+            "nonfinite_loss='skip' to skip such batches."
+        )
+
+    def _terminate(self) -> None:
+        trainer, progress = self.trainer, self.trainer.progress
+        path = _last_checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            print(f"trainer: SIGTERM: saved {path} at global step {progress.global_step} (epoch {progress.epoch}, "
+                  f"{progress.epoch_batches} batches done); exiting with code {SIGTERM_EXIT_CODE}. "
+                  "fit(ckpt_path='last') resumes from it.", file=sys.stderr, flush=True)
+        raise Terminated(SIGTERM_EXIT_CODE)
+
+
+def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float] | None:
+    """(batch_idx, value) of the window's first non-finite loss; one host read when all are finite."""
+    if not losses:
+        return None
+    if all(loss.is_cpu and loss.numel() == 1 for _, loss in losses):
+        # Host scalars: reading each is ~1 us, where the stacked tensor check below costs tens of us a step.
+        if all(math.isfinite(float(loss)) for _, loss in losses):
+            return None
+    elif bool(torch.stack([torch.isfinite(loss).all() for _, loss in losses]).all()):
+        return None
+    for batch_idx, loss in losses:
+        if not bool(torch.isfinite(loss).all()):
+            return batch_idx, float(loss.float().flatten()[~torch.isfinite(loss.flatten())][0])
+    return None
+
+
+def _last_checkpoint_path(trainer: Trainer) -> Path:
+    """Where a SIGTERM checkpoint goes: the ModelCheckpoint's last file, so `ckpt_path="last"` finds it."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.dirpath:
+        return Path(callback.last_model_path or Path(callback.dirpath) / "last.ckpt")
+    return Path(trainer.log_dir) / "checkpoints" / "last.ckpt"
+
+
+# --------------------------------------------------------------------------- collective timeouts
+
+_TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout caused pair closure")
+_OPERATIONS = {
+    "backward": "the gradient all-reduce in backward",
+    "forward_backward": "the training step (forward, backward and the gradient all-reduce)",
+    "training_step": "the training step's forward (DDP broadcasts buffers there)",
+    "reduce": "an all-reduce (logged values or the per-step agreement)",
+    "barrier": "a barrier",
+    "broadcast": "a broadcast",
+    "all_gather_object": "an all-gather",
+    "save_checkpoint": "saving a checkpoint",
+    "setup_module": "the model's initial weight broadcast",
+}
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """True for gloo's collective timeout (and for a later call on the pair that timeout closed)."""
+    text = str(error)
+    if isinstance(error, torch.distributed.DistError) and "timeout" in text.lower():
+        return True
+    return isinstance(error, RuntimeError) and any(marker in text for marker in _TIMEOUT_MARKERS)
+
+
+def raise_if_collective_timeout(error: BaseException, strategy: Strategy) -> None:
+    """Re-raise a collective timeout as one line naming the operation that waited; otherwise do nothing."""
+    if not is_collective_timeout(error) or isinstance(error, CollectiveTimeoutError):
+        return
+    raise CollectiveTimeoutError(
+        f"rank {strategy.global_rank} waited more than {strategy.timeout:g} s in {_waiting_call(error, strategy)}; "
+        "another rank is stuck or died before joining it (see its output). Raise Trainer(timeout=...) if a "
+        "step legitimately takes longer."
+    ) from error
+
+
+def _waiting_call(error: BaseException, strategy: Strategy) -> str:
+    """'<operation> (<Strategy>.<method>, called from <caller>)', read from the traceback's frames."""
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    own = [i for i, frame in enumerate(frames) if frame.f_locals.get("self") is strategy]
+    if not own:
+        return "a collective"
+    inner, outer = frames[own[-1]], own[0]
+    method = inner.f_code.co_name
+    name = inner.f_locals.get("name") if method == "barrier" else None
+    operation = _OPERATIONS.get(method, "a collective") + (f" {name!r}" if name else "")
+    caller = frames[outer - 1].f_code if outer > 0 else None
+    called_from = f", called from {getattr(caller, 'co_qualname', caller.co_name)}" if caller is not None else ""
+    return f"{operation} ({type(strategy).__name__}.{method}{called_from})"
+
+
+# --------------------------------------------------------------------------- which checkpoint to resume
+
+
+@dataclass(frozen=True)
+class NewestCheckpoint:
+    """`ckpt_path="last"`: the newest checkpoint in `folder` that loads, chosen where it is loaded."""
+
+    folder: Path
+
+
+def checkpoint_files(folders: Iterable[Path]) -> list[Path]:
+    """Every *.ckpt under `folders`, newest first (at equal times, last.ckpt first)."""
+    found: dict[Path, tuple[int, bool, Path]] = {}
+    for folder in folders:
+        for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
+            try:
+                found[path.resolve()] = (path.stat().st_mtime_ns, path.stem.startswith("last"), path)
+            except OSError:
+                continue  # removed while we looked (a top-k eviction)
+    return [path for *_, path in sorted(found.values(), reverse=True)]
+
+
+def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0 picks the newest loadable checkpoint in `folders`, warning about each it skips; every rank loads it."""
+    choice, checkpoint = None, None
+    if strategy.is_global_zero:
+        skipped: list[CheckpointError] = []
+        for path in checkpoint_files(folders):
+            try:
+                checkpoint = strategy.load_checkpoint(path)
+            except CheckpointError as err:
+                skipped.append(err)
+                continue
+            choice = str(path)
+            break
+        for err in skipped:
+            instead = f"resuming from {choice!r} instead" if choice else "no older checkpoint loads either"
+            warnings.warn(f"{err} Skipped it: {instead}.", stacklevel=3)
+    choice = strategy.broadcast(choice)
+    if choice is None:
+        return None
+    if checkpoint is None:
+        checkpoint = strategy.load_checkpoint(choice)
+    return Path(choice), checkpoint
+
+
+def load_resume_checkpoint(strategy: Strategy, ckpt: Path | NewestCheckpoint | None) -> dict[str, Any] | None:
+    """The checkpoint a stage starts from: a given file (errors are the user's to see) or the newest good one."""
+    if ckpt is None:
+        return None
+    if not isinstance(ckpt, NewestCheckpoint):
+        return strategy.load_checkpoint(ckpt)
+    found = load_newest(strategy, [ckpt.folder])
+    if found is None:
+        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be read (see the warnings above).')
+    return found[1]
+
+
+def resume_after_restart(trainer: Trainer, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+    """After an elastic restart: the newest good checkpoint of this run's folder (else what fit was given).
+
+    Call once the callbacks are set up (their folders are known). The loggers continue from its rows.
+    """
+    restarts = trainer.strategy.environment.restart_count
+    if restarts == 0:
+        return checkpoint
+    folders = [Path(trainer.log_dir)] + [Path(c.dirpath) for c in trainer.checkpoint_callbacks if c.dirpath]
+    found = load_newest(trainer.strategy, folders)
+    if trainer.is_global_zero:
+        if found is None:
+            print(f"trainer: restart {restarts}: no checkpoint in {', '.join(map(str, folders))}; starting over.",
+                  file=sys.stderr, flush=True)
+        else:
+            step = found[1].get("loops", {}).get("progress", {}).get("global_step", "?")
+            print(f"trainer: restart {restarts}: resuming from {found[0]} (global step {step}).", file=sys.stderr, flush=True)
+    if found is None:
+        return checkpoint
+    for logger, state in zip(trainer.loggers, found[1].get("loggers", [])):
+        logger.load_state_dict(state)
+    return found[1]

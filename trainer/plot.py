@@ -1,0 +1,85 @@
+"""`trainer plot`: the logged metrics of one or more runs, one panel per metric, one line per run."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainer.errors import MisconfigurationError
+
+# Columns of metrics.csv that are coordinates, not metrics.
+NOT_METRICS = ("step", "epoch")
+PANEL_SIZE = (4.8, 3.2)  # inches per panel
+DPI = 100
+MAX_COLUMNS = 3
+
+
+def find_metrics_file(run_dir: str | Path) -> Path:
+    """metrics.csv of a version folder; for a run-name folder, that of its newest version."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.csv").is_file():
+        return run_dir / "metrics.csv"
+    versions = sorted(run_dir.glob("version_*/metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if versions:
+        return versions[-1]
+    raise MisconfigurationError(f"{str(run_dir)!r} holds no metrics.csv; pass a run folder such as runs/digits/version_0.")
+
+
+def read_metrics(path: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """{metric: (steps, values)} from a CSV logger file, skipping the rows where a metric is empty."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row["step"]))
+            for name, text in row.items():
+                if name in NOT_METRICS or text in ("", None):
+                    continue
+                steps, values = series.setdefault(name, ([], []))
+                steps.append(step)
+                values.append(float(text))
+    return series
+
+
+def panel_grid(count: int) -> tuple[int, int]:
+    """(rows, columns) of the figure for `count` panels."""
+    columns = min(MAX_COLUMNS, max(count, 1))
+    return math.ceil(max(count, 1) / columns), columns
+
+
+def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
+    """Draw every metric of every run to a PNG at `output`; returns its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: never needs a display
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise MisconfigurationError("trainer plot needs matplotlib: pip install 'trainer[plot]' (or pip install matplotlib).") from err
+
+    runs = {str(run_dir): read_metrics(find_metrics_file(run_dir)) for run_dir in run_dirs}
+    metrics = sorted({name for series in runs.values() for name in series})
+    if not metrics:
+        raise MisconfigurationError(f"no metrics logged yet in {', '.join(runs)}; plot after a run has logged some steps.")
+    rows, columns = panel_grid(len(metrics))
+    figure, axes = plt.subplots(rows, columns, figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows),
+                                dpi=DPI, squeeze=False)
+    for axis, metric in zip(axes.flat, metrics):
+        for label, series in runs.items():
+            if metric in series:
+                steps, values = series[metric]
+                axis.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+        axis.set_title(metric)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        if len(runs) > 1:
+            axis.legend(fontsize="small")
+    for axis in list(axes.flat)[len(metrics):]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output)
+    plt.close(figure)
+    return output

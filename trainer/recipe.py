@@ -1,0 +1,386 @@
+"""Recipes: YAML files that name a model, its data, callbacks and the trainer options, checked before anything runs.
+
+    trainer:    TrainerConfig fields: typed, with defaults (`trainer config --reference` lists them)
+    model:      {class_path: a TrainModule subclass, init_args: {...}}
+    data:       {class_path: a DataModule subclass, init_args: {...}}
+    callbacks:  [{class_path: a Callback subclass, init_args: {...}}, ...]
+    ckpt_path:  a checkpoint to start from: a path, or "last" (the newest last.ckpt of this run name)
+
+Sources apply left to right: recipe files merge, `dotted.key=value` overrides set one value each
+(parsed as YAML). `${...}` interpolations resolve after the last source, so an override can change
+what they point at. Every class and init argument is checked against the class signature here, in
+the calling process, so a typo fails in a second instead of after a process group has started.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+
+from callbacks.base import Callback
+from trainer.config import TrainerConfig, dump_yaml, make_config, option_names
+from trainer.data import DataModule
+from trainer.errors import MisconfigurationError, closest
+from trainer.module import TrainModule
+from trainer.strategies import build_strategy
+
+TOP_LEVEL_KEYS = ("trainer", "model", "data", "callbacks", "ckpt_path")
+CLASS_KEYS = ("class_path", "init_args")
+SECTION_BASES: dict[str, type] = {"model": TrainModule, "data": DataModule, "callbacks": Callback}
+# __init__s that take no user arguments: **kwargs that would reach them are the subclass's own.
+_ARGLESS_BASES = (object, nn.Module, TrainModule, DataModule, Callback)
+_KEY = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+
+
+@dataclass
+class ClassSpec:
+    """One `class_path` + `init_args` entry, checked against the class signature."""
+
+    where: str  # the recipe key: "model", "data", "callbacks.0"
+    class_path: str
+    cls: type
+    init_args: dict[str, Any]
+
+    def instantiate(self) -> Any:
+        return self.cls(**self.init_args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"class_path": self.class_path, "init_args": dict(self.init_args)}
+
+
+@dataclass
+class Recipe:
+    """A validated recipe: nothing instantiated yet."""
+
+    trainer: TrainerConfig
+    model: ClassSpec
+    data: ClassSpec
+    callbacks: list[ClassSpec]
+    ckpt_path: str | None = None
+
+    def trainer_options(self) -> dict[str, Any]:
+        return asdict(self.trainer)
+
+    def to_dict(self, with_ckpt_path: bool = True) -> dict[str, Any]:
+        """The resolved recipe as plain containers; what `config.yaml` in a run folder holds."""
+        resolved: dict[str, Any] = {
+            "trainer": self.trainer_options(),
+            "model": self.model.to_dict(),
+            "data": self.data.to_dict(),
+            "callbacks": [spec.to_dict() for spec in self.callbacks],
+        }
+        if with_ckpt_path and self.ckpt_path is not None:
+            resolved["ckpt_path"] = self.ckpt_path
+        return resolved
+
+    def to_yaml(self, with_ckpt_path: bool = True) -> str:
+        return dump_yaml(self.to_dict(with_ckpt_path))
+
+
+# --------------------------------------------------------------------------- reading and merging
+
+
+def load_recipe(sources: Sequence[str | Path]) -> Recipe:
+    """Merge recipe files and `key=value` overrides left to right, resolve, and validate everything."""
+    merged: DictConfig = OmegaConf.create({"trainer": OmegaConf.structured(TrainerConfig)})
+    if not any(not is_override(str(source)) for source in sources):
+        raise MisconfigurationError("no recipe file given; e.g. `trainer fit recipes/digits.yaml trainer.max_epochs=3`.")
+    for source in map(str, sources):
+        if is_override(source):
+            _apply_override(merged, source)
+        else:
+            layer = read_recipe_file(source)
+            _check_keys(layer, source)
+            _reset_changed_classes(merged, layer)
+            merged = OmegaConf.merge(merged, layer)
+    _fill_defaults(merged)
+    resolved = OmegaConf.to_container(merged, resolve=True)
+    return _build(resolved)
+
+
+def _fill_defaults(merged: DictConfig) -> None:
+    """Write each class's signature defaults into its init_args, so `${model.init_args.x}` finds them too."""
+    entries = [(section, merged.get(section)) for section in ("model", "data")]
+    callbacks = merged.get("callbacks")
+    entries += [(f"callbacks.{i}", item) for i, item in enumerate(callbacks if isinstance(callbacks, ListConfig) else [])]
+    for where, entry in entries:
+        if not isinstance(entry, DictConfig) or OmegaConf.is_interpolation(entry, "class_path"):
+            continue  # malformed, or known only after resolution: _build checks those
+        class_path, given = entry.get("class_path"), entry.get("init_args") or {}
+        if not isinstance(class_path, str) or not isinstance(given, DictConfig | dict):
+            continue
+        base = SECTION_BASES[where.split(".")[0]]
+        parameters, _ = init_parameters(import_class(where, class_path, base))
+        defaults = {name: _plain_default(parameter.default) for name, (parameter, _) in parameters.items()
+                    if name not in given and _is_plain(parameter.default)}
+        if defaults:
+            entry.init_args = OmegaConf.merge(defaults, given)
+
+
+def is_override(token: str) -> bool:
+    """`dotted.key=value` (a path that merely contains '=' is not one)."""
+    key, eq, _ = token.partition("=")
+    return bool(eq) and _KEY.fullmatch(key) is not None
+
+
+def read_recipe_file(path_text: str) -> DictConfig:
+    """One recipe file as a DictConfig; missing files and YAML syntax errors say where."""
+    path = Path(path_text)
+    if not path.is_file():
+        if _KEY.fullmatch(path_text) and "." in path_text and path.suffix not in (".yaml", ".yml"):
+            raise MisconfigurationError(f"{path_text!r} is neither a recipe file nor an override; write key=value, "
+                                        f"e.g. {path_text}=VALUE.")
+        siblings = [str(p) for p in (path.parent if path.parent.is_dir() else Path(".")).glob("*.y*ml")]
+        raise MisconfigurationError(f"recipe file {path_text!r} not found{closest(path_text, siblings)}.")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = " ".join(str(part) for part in (err.context, err.problem) if part)
+        raise MisconfigurationError(f"{path_text}: YAML syntax error at {where}: {problem}; fix the YAML there.") from err
+    if loaded is None or (isinstance(loaded, DictConfig) and not loaded):
+        return OmegaConf.create({})
+    if not isinstance(loaded, DictConfig):
+        raise MisconfigurationError(f"{path_text}: a recipe is a mapping with keys {', '.join(TOP_LEVEL_KEYS)}; "
+                                    f"this file holds a {type(loaded).__name__}.")
+    return loaded
+
+
+def _check_keys(layer: DictConfig, source: str) -> None:
+    """Unknown keys fail here, naming the closest valid ones."""
+    for key in layer:
+        if key not in TOP_LEVEL_KEYS:
+            raise MisconfigurationError(f"{source}: unknown key {key!r}{closest(str(key), TOP_LEVEL_KEYS)}; "
+                                        f"a recipe's keys are {', '.join(TOP_LEVEL_KEYS)}.")
+    if "trainer" in layer and layer.trainer is None:
+        del layer["trainer"]  # `trainer:` with every option commented out: nothing to set
+    trainer = layer.get("trainer")
+    if trainer is not None:
+        if not isinstance(trainer, DictConfig):
+            raise MisconfigurationError(f"{source}: 'trainer' must be a mapping of trainer options.")
+        for key in trainer:
+            _check_path(["trainer", str(key)], source)
+    for section in ("model", "data"):
+        value = layer.get(section)
+        if isinstance(value, DictConfig):
+            for key in value:
+                _check_path([section, str(key)], source)
+    callbacks = layer.get("callbacks")
+    if callbacks is not None and not isinstance(callbacks, ListConfig):
+        raise MisconfigurationError(f"{source}: 'callbacks' must be a list of {{class_path: ..., init_args: ...}}.")
+    for index, item in enumerate(callbacks or []):
+        for key in item if isinstance(item, DictConfig) else []:
+            _check_path(["callbacks", str(index), str(key)], source)
+
+
+def _check_path(parts: list[str], source: str) -> None:
+    """Check one dotted key (as a list of parts) against the recipe schema."""
+    head, rest = parts[0], parts[1:]
+    if head not in TOP_LEVEL_KEYS:
+        raise MisconfigurationError(f"{source}: unknown key {head!r}{closest(head, TOP_LEVEL_KEYS)}; "
+                                    f"a recipe's keys are {', '.join(TOP_LEVEL_KEYS)}.")
+    if head == "trainer" and rest and rest[0] not in option_names():
+        raise MisconfigurationError(f"{source}: unknown trainer option {rest[0]!r}{closest(rest[0], option_names())}; "
+                                    "`trainer config --reference` lists them all.")
+    if head == "callbacks" and rest:
+        if not rest[0].isdigit():
+            raise MisconfigurationError(f"{source}: callbacks is a list; address an entry as callbacks.<index>.init_args.<name>.")
+        rest = rest[1:]
+    if head in ("model", "data", "callbacks") and rest and rest[0] not in CLASS_KEYS:
+        bad_key = ".".join(parts[: len(parts) - len(rest) + 1])
+        raise MisconfigurationError(f"{source}: unknown key {bad_key!r}{closest(rest[0], CLASS_KEYS)}; "
+                                    f"a class entry has {' and '.join(CLASS_KEYS)}.")
+
+
+def _apply_override(merged: DictConfig, token: str) -> None:
+    key, _, text = token.partition("=")
+    _check_path(key.split("."), f"override {token!r}")
+    # Parse the value the way omegaconf parses a dotlist (YAML), without resolving interpolations yet.
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]), resolve=False)["value"]
+    except OmegaConfBaseException as err:
+        reason = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+        raise MisconfigurationError(f"override {token!r}: cannot parse the value ({reason}); an interpolation "
+                                    "reads ${other.key}, and \\${ is a literal '${'.") from err
+    _reset_changed_classes(merged, OmegaConf.create(_nest(key.split("."), value)))
+    OmegaConf.update(merged, key, value, merge=True)
+
+
+def _nest(parts: list[str], value: Any) -> dict[str, Any]:
+    return {parts[0]: _nest(parts[1:], value) if len(parts) > 1 else value}
+
+
+def _reset_changed_classes(merged: DictConfig, layer: DictConfig) -> None:
+    """A layer that names a different class starts its init_args afresh (the old ones belong to the old class)."""
+    for section in ("model", "data"):
+        new = layer.get(section)
+        old = merged.get(section)
+        if isinstance(new, DictConfig) and isinstance(old, DictConfig) and "class_path" in new:
+            if new.get("class_path") != old.get("class_path"):
+                merged[section] = {}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _build(resolved: dict[str, Any]) -> Recipe:
+    trainer = make_config(resolved.get("trainer") or {})
+    build_strategy(trainer.strategy)  # an unknown name fails here too, listing the known ones
+    sections = {}
+    for section in ("model", "data"):
+        if resolved.get(section) is None:
+            raise MisconfigurationError(f"the recipe has no {section!r} section; add "
+                                        f"{section}: {{class_path: <module>.<Class>, init_args: {{...}}}}.")
+        sections[section] = class_spec(section, resolved[section], SECTION_BASES[section])
+    if not isinstance(resolved.get("callbacks") or [], list):
+        raise MisconfigurationError("callbacks must be a list of {class_path: ..., init_args: ...} entries.")
+    callbacks = [class_spec(f"callbacks.{i}", item, Callback) for i, item in enumerate(resolved.get("callbacks") or [])]
+    ckpt_path = resolved.get("ckpt_path")
+    if ckpt_path is not None and not isinstance(ckpt_path, str):
+        raise MisconfigurationError(f"ckpt_path={ckpt_path!r} must be a checkpoint path or 'last'.")
+    return Recipe(trainer, sections["model"], sections["data"], callbacks, ckpt_path)
+
+
+def class_spec(where: str, entry: Any, base: type) -> ClassSpec:
+    """Check one class entry: the class imports, subclasses `base`, and takes exactly these init_args."""
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("class_path"), str):
+        raise MisconfigurationError(f"{where} needs class_path: <module>.<Class> (a {base.__name__} subclass); got {entry!r}.")
+    init_args = entry.get("init_args") or {}
+    if not isinstance(init_args, Mapping):
+        raise MisconfigurationError(f"{where}.init_args must be a mapping of argument names to values; got {init_args!r}.")
+    cls = import_class(where, entry["class_path"], base)
+    return ClassSpec(where, entry["class_path"], cls, check_init_args(where, cls, dict(init_args)))
+
+
+def import_class(where: str, class_path: str, base: type) -> type:
+    """The class `class_path` names, which must be a subclass of `base`."""
+    module_name, _, name = class_path.rpartition(".")
+    if not module_name:
+        raise MisconfigurationError(f"{where}.class_path={class_path!r} needs its module, e.g. 'recipes.digits.DigitsCNN'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            raise MisconfigurationError(f"{where}.class_path={class_path!r}: no module named {err.name!r}; "
+                                        "check the spelling, or install the package that provides it.") from err
+        raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} failed: {err}.") from err
+    except Exception as err:  # the user's module raised while importing: show what, in one line
+        raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} raised "
+                                    f"{type(err).__name__}: {err}.") from err
+    cls = getattr(module, name, None)
+    if cls is None:
+        classes = [key for key, value in vars(module).items() if isinstance(value, type)]
+        raise MisconfigurationError(f"{where}.class_path={class_path!r}: module {module_name!r} has no {name!r}"
+                                    f"{closest(name, classes)}.")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        what = f"class {cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise MisconfigurationError(f"{where}.class_path={class_path!r} is {what}, not a {base.__name__} subclass; "
+                                    f"{where} must name a {base.__name__}.")
+    return cls
+
+
+def check_init_args(where: str, cls: type, given: dict[str, Any]) -> dict[str, Any]:
+    """`given` checked against the class signature, completed with the signature's plain defaults."""
+    parameters, takes_any = init_parameters(cls)
+    for name, value in given.items():
+        if name not in parameters:
+            if takes_any:
+                continue
+            raise MisconfigurationError(f"{where}.init_args.{name}: {cls.__name__} does not take {name!r}"
+                                        f"{closest(name, parameters)}; it takes {', '.join(parameters) or 'no arguments'}.")
+        hint = parameters[name][1]
+        if hint is not None and not _type_ok(value, hint):
+            raise MisconfigurationError(f"{where}.init_args.{name}={value!r}: {cls.__name__} expects "
+                                        f"{_type_name(hint)}, got {type(value).__name__}.")
+    complete: dict[str, Any] = {}
+    for name, (parameter, _) in parameters.items():
+        if name in given:
+            complete[name] = given[name]
+        elif parameter.default is inspect.Parameter.empty:
+            raise MisconfigurationError(f"{where}.init_args: {cls.__name__} needs {name!r} (it has no default); "
+                                        f"add it, e.g. {where}.init_args.{name}=VALUE.")
+        elif _is_plain(parameter.default):
+            complete[name] = _plain_default(parameter.default)
+    complete.update({name: value for name, value in given.items() if name not in complete})
+    return complete
+
+
+def init_parameters(cls: type) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
+    """{name: (parameter, type hint)} an instance can be built with, following **kwargs up the MRO.
+
+    The second value is True when the class accepts any keyword: its **kwargs never reach a parent
+    that would check them (they stop at a base whose __init__ takes no user arguments).
+    """
+    found: dict[str, tuple[inspect.Parameter, Any]] = {}
+    followed_kwargs = False
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        if klass in _ARGLESS_BASES:
+            return found, followed_kwargs
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # an annotation that does not evaluate: skip type checks, keep the names
+            hints = {}
+        signature = inspect.signature(init)
+        for name, parameter in list(signature.parameters.items())[1:]:
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                found.setdefault(name, (parameter, hints.get(name)))
+        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+            return found, False
+        followed_kwargs = True
+    return found, True
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether `value` fits a simple annotation; annotations this cannot judge pass."""
+    origin = typing.get_origin(hint) or hint
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    checks = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        type(None): lambda v: v is None,
+        list: lambda v: isinstance(v, list),
+        tuple: lambda v: isinstance(v, list),
+        dict: lambda v: isinstance(v, dict),
+    }
+    check = checks.get(origin)
+    return True if check is None else check(value)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(hint))
+    origin = typing.get_origin(hint) or hint
+    yaml_names = {tuple: "a list", list: "a list", dict: "a mapping", type(None): "null"}  # as a recipe writes them
+    return yaml_names.get(origin, getattr(origin, "__name__", str(hint)))
+
+
+def _plain_default(value: Any) -> Any:
+    return [_plain_default(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether a default can be written to YAML and read back unchanged."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return value is None or isinstance(value, (bool, int, float, str))
