@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 setup: $(BIN)/.installed
 
 demo: setup
-	$(BIN)/trainer fit recipes/digits.yaml
+	$(BIN)/trainer fit recipes/digits.yaml recipes/digits_ddp.yaml
 
 test: setup
 	$(BIN)/pytest -q

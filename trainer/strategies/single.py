@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from trainer.environment import ClusterEnvironment
 from trainer.errors import MisconfigurationError
 from trainer.strategies.base import Strategy
 
@@ -18,3 +19,12 @@ class SingleDeviceStrategy(Strategy):
                 f"strategy='single' runs on one device, but devices={devices}, num_nodes={num_nodes}; "
                 "use strategy='ddp' to train on several."
             )
+
+    def setup_environment(self, environment: ClusterEnvironment) -> None:
+        # Under torchrun/srun with several processes, 'single' would train unsynchronised copies on split data.
+        if environment.world_size > 1:
+            raise MisconfigurationError(
+                f"this process is one of {environment.world_size} started by {environment.name}, but "
+                "strategy='single' trains on one process; use strategy='ddp' (or launch one process)."
+            )
+        super().setup_environment(environment)
