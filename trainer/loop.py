@@ -103,7 +103,8 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         for batch_idx, batch, is_last in _epoch_batches(train_loader, progress.epoch_batches, num_batches):
             _train_batch(trainer, guard, batch, batch_idx, is_last)
             finished = is_last and progress.epoch_batches == batch_idx + 1
-            if (batch_idx + 1) % val_every == 0 and not is_last:
+            # The last batch (or the step that reaches max_steps) validates after the loop, once.
+            if (batch_idx + 1) % val_every == 0 and not is_last and not _steps_done(trainer):
                 _validate_if_due(trainer, val_loaders)
             guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
             # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.

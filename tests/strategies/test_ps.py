@@ -24,6 +24,7 @@ from recipes.digits import DigitsCNN, DigitsData
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import load_checkpoint_file
 from trainer.data import ResumableBatchSampler
+from trainer.environment import ClusterEnvironment
 from trainer.errors import MisconfigurationError
 from trainer.strategies import build_strategy
 from trainer.strategies.ps import ParameterServerStrategy
@@ -170,7 +171,7 @@ def test_a_ps_checkpoint_resumes_on_two_servers_and_on_one_device_alike(sync_run
 
 @pytest.mark.timeout(300)
 def test_asynchronous_ps_on_digits_reaches_95_percent(tmp_path):
-    trainer = Trainer(strategy="ps", devices=3, max_epochs=6, seed=0, default_root_dir=str(tmp_path),
+    trainer = Trainer(strategy="ps", devices=3, max_epochs=5, seed=0, default_root_dir=str(tmp_path),
                       enable_checkpointing=False, num_sanity_val_steps=0, **QUIET)
     trainer.fit(DigitsCNN(), datamodule=DigitsData(batch_size=64))
     assert float(trainer.callback_metrics["val/acc"]) >= 0.95
@@ -258,6 +259,21 @@ def test_parameters_are_spread_over_servers_by_size():
         plan_shards([4, 4], 3)
 
 
+def test_roles_come_from_the_rank_layout_and_the_loop_sees_only_workers():
+    strategy = ParameterServerStrategy(ps_servers=2)
+    strategy.configure("cpu", 3, 2, "32")  # 2 nodes x 3 processes: ranks 0-1 serve, ranks 2-5 train
+    roles = []
+    for rank in range(6):
+        strategy.environment = ClusterEnvironment("torchrun", global_rank=rank, local_rank=rank % 3, world_size=6,
+                                                  local_world_size=3, node_rank=rank // 3)
+        roles.append((strategy.is_server, strategy.global_rank, strategy.local_rank, strategy.is_global_zero))
+    assert roles == [(True, 0, 0, False), (True, 1, 1, False), (False, 0, 0, True),
+                     (False, 1, 0, False), (False, 2, 1, False), (False, 3, 2, False)]
+    assert (strategy.world_size, strategy.reporting_rank) == (4, 2)
+    printed = strategy._roles([2, 2], [48, 9])
+    assert "rank 0: server ps0, 2 tensors, 48 values" in printed and "rank 2: worker 0 (chief" in printed
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -278,6 +294,8 @@ def test_optimizers_a_server_cannot_hold_are_named():
         check_optimizer([torch.optim.LBFGS(params)])
     with pytest.raises(MisconfigurationError, match="configure_optimizers returned 2"):
         check_optimizer([torch.optim.SGD(params, lr=1.0), torch.optim.SGD(params, lr=1.0)])
+    adamw = torch.optim.AdamW(params, weight_decay=0.1)  # its defaults hold a key its constructor does not take
+    assert check_optimizer([adamw]) is adamw
 
 
 def test_options_through_the_registry_and_their_errors():

@@ -23,11 +23,15 @@ launcher shows its output and hands its final state to the caller (`reporting_ra
   takes fewer batches instead of making the epoch last longer; its training loader then has no length
   and cannot resume in mid-epoch (checkpoints at epoch ends resume).
 
+  A bound absorbs passing slowness (a worker may fall S steps behind); a worker that stays slow holds the
+  others to its pace in the long run, and only staleness=None lets the fast ones do more of the work.
+
 How a server goes through `Trainer._run`: the contract's `serve()` runs right after `setup_environment`
 on every rank; on a server it answers the workers until all of them are done and returns True, and the
-Trainer skips the stage there (no data, loop, callbacks or logs). Workers make the process group alone,
-so collectives (metric reduction, torchmetrics sync, barriers) and every rank count in the loop see the
-workers only: `global_rank`, `world_size` and `local_rank` count workers.
+Trainer skips the stage there (no data, loop, callbacks or logs; under torchrun or srun, where every rank
+runs the script, fit/validate/test/predict return None on a server rank). Workers make the process group
+alone, so collectives (metric reduction, torchmetrics sync, barriers) and every rank count in the loop
+see the workers only: `global_rank`, `world_size` and `local_rank` count workers.
 
 Checkpoints hold the full model under plain keys and the optimizer state in the layout of the user's
 optimizer on one device, so a ps run resumes from any strategy's checkpoint and its checkpoints load
