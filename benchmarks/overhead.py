@@ -31,12 +31,16 @@ each Trainer `on_train_batch_end` and times it; the Trainer's step is the interv
 one embedded hand step to the start of the next. Both are timed at the same moments, so their ratio
 of medians is the steadiest figure for the steady per-step overhead (epoch boundaries excluded).
 
+Framework floor: the same comparison with a step that does almost nothing (one scalar weight), many
+short runs, the minimum over runs of each side's median step: the per-step cost the Trainer adds in
+microseconds, with as little of the machine's noise as a shared machine allows.
+
 One intra-op thread by default: a second one only adds noise on a shared machine, and the overhead
 measured is the framework's Python work, not the kernels.
 
 Also prints the wall time of `python -c "import trainer"` next to `python -c "import torch"`.
 
-Run: python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--threads 1]
+Run: python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--threads 1] [--floor-runs 15]
 """
 
 from __future__ import annotations
@@ -230,6 +234,45 @@ def paired_steps(data: TensorDataset, epochs: int, folder: Path) -> None:
               f"({len(paired.trainer)} pairs)")
 
 
+class NoOp(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.weight * batch[0].sum()
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def framework_floor(runs: int, steps: int, folder: Path) -> None:
+    data = TensorDataset(torch.ones(steps, 1))
+    hand, ours = [], []
+    for run in range(runs):
+        weight = nn.Parameter(torch.zeros(()))
+        optimizer = torch.optim.SGD([weight], lr=0.0)
+        stamps = [now()]
+        for count, (x,) in enumerate(DataLoader(data, batch_size=1, shuffle=True), start=1):
+            loss = weight * x.sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if count % LOG_EVERY == 0:
+                loss.item()
+            stamps.append(now())
+        hand.append(Timing(stamps[0], [stamps[1:]], stamps[-1], 0.0).steady_step(1))
+        clock = StepClock()
+        Trainer(max_epochs=1, default_root_dir=str(folder / str(run)), callbacks=[clock], accelerator="cpu",
+                log_every_n_steps=LOG_EVERY).fit(NoOp(), DataLoader(data, batch_size=1, shuffle=True))
+        ours.append(Timing(clock.start, clock.epochs, clock.end, 0.0).steady_step(1))
+    floor_hand, floor_ours = min(hand) * 1e6, min(ours) * 1e6
+    print(f"framework floor (cpu, no-op step, min of {runs} runs): hand-written {floor_hand:.1f} us, Trainer "
+          f"{floor_ours:.1f} us: the Trainer adds {floor_ours - floor_hand:.1f} us per step")
+
+
 def import_seconds(module: str, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -256,6 +299,7 @@ def main() -> None:
     parser.add_argument("--steps-per-epoch", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--import-repeats", type=int, default=5)
+    parser.add_argument("--floor-runs", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -276,6 +320,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         paired_steps(data, args.epochs, Path(tmp))
+        framework_floor(args.floor_runs, 300, Path(tmp))
 
     torch_import = import_seconds("torch", args.import_repeats)
     trainer_import = import_seconds("trainer", args.import_repeats)

@@ -5,7 +5,10 @@ command) runs torch's elastic agent, the engine behind torchrun, inside the call
 workers, each runs the stage, and the caller receives rank 0's outcome, so after `trainer.fit(module)`
 returns, `module` holds the trained weights. With `num_nodes=M > 1` the same script runs on every node
 with MASTER_ADDR and MASTER_PORT (node 0's address and a free port) and NODE_RANK set; the nodes meet
-there and node 0 holds global rank 0. `max_restarts` restarts the whole group when a worker dies.
+there and node 0 holds global rank 0. `max_restarts` restarts the whole group when a worker dies; the
+restarted workers resume from the newest good checkpoint of the same run folder (trainer/faults.py).
+SIGTERM to the launching process reaches the workers too: they save last.ckpt together and the launching
+process exits with code 143.
 
 Workers are started with "spawn": each is a fresh interpreter that re-imports the script (as
 `__mp_main__`) and then unpickles the trainer, module and datamodule. Therefore:

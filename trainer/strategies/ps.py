@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +55,7 @@ import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, IterableDataset
 
+from trainer import faults
 from trainer.data import ResumableBatchSampler, _loader_kwargs, prepare_loader
 from trainer.environment import ClusterEnvironment, find_free_port, resolve_environment
 from trainer.errors import MisconfigurationError
@@ -232,17 +235,22 @@ class ParameterServerStrategy(Strategy):
         """On a server: answer the workers until every process of the job has finished, then leave."""
         if not self.is_server:
             return False
-        try:
-            self._leave_rpc(graceful=True)  # a graceful shutdown keeps answering until all ranks reach it
-        finally:
-            stop_serving()
+        with _sigterm_deferred() as sigterm:
+            try:
+                self._leave_rpc(graceful=True)  # a graceful shutdown keeps answering until all ranks reach it
+            finally:
+                stop_serving()
+        if sigterm.is_set():
+            raise faults.Terminated(faults.SIGTERM_EXIT_CODE)  # stopped with the workers, as they were told to
         return True
 
     def teardown(self) -> None:
         """Workers: final values into the module, leave the servers' bookkeeping, the group, then RPC."""
         # An exception raised in this run (not one the caller was already handling) means the others may
-        # never arrive: leave at once rather than wait for them in a graceful shutdown.
-        failing = sys.exc_info()[1] not in (None, self._ambient_exception)
+        # never arrive: leave at once rather than wait for them in a graceful shutdown. A SIGTERM stop is
+        # no failure: every rank was told, saved and leaves.
+        raised = sys.exc_info()[1]
+        failing = raised not in (None, self._ambient_exception) and not isinstance(raised, faults.Terminated)
         try:
             if self._client is not None and not failing:
                 reports = self._client.finish()
@@ -366,6 +374,21 @@ def _summary(reports: list[dict[str, int]], policy: str) -> str:
     share = f" ({100 * stale / pushes:.1f}%)" if pushes else ""
     return (f"ps: {updates} updates from {pushes} gradients per server; {stale} stale gradients "
             f"{'dropped' if policy == 'drop' else 'scaled'}{share}; staleness mean {mean:.2f}, max {worst}")
+
+
+@contextlib.contextmanager
+def _sigterm_deferred() -> Iterator[threading.Event]:
+    """While a server answers, SIGTERM only marks that it came: the workers, told too, save a checkpoint,
+    which reads the parameters from the servers, before everyone leaves."""
+    received = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        yield received
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.set())
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
