@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from trainer.errors import MisconfigurationError
 
 LR_SCALINGS = ("none", "linear", "sqrt")
+_NOTHING = contextlib.nullcontext()  # stateless and reentrant: shared by every step
 
 
 @dataclass
@@ -109,7 +110,7 @@ class LRScaler:
     def warmup(self, optimizer: Optimizer, step: int) -> contextlib.AbstractContextManager:
         """Lower the rate for this step while warming up; restore it afterwards."""
         if self.factor == 1.0 or step >= self.warmup_steps:
-            return contextlib.nullcontext()  # every step after warm-up: no generator to build
+            return _NOTHING  # every step after warm-up: no generator to build
         return self._lowered(optimizer, (1.0 + (self.factor - 1.0) * step / self.warmup_steps) / self.factor)
 
     @staticmethod

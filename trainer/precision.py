@@ -10,6 +10,7 @@ import torch
 from trainer.errors import MisconfigurationError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 
 
 def validate_precision(precision: str, device_type: str) -> str:
@@ -38,7 +39,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context a forward pass runs in."""
         if self.precision == "32":
-            return contextlib.nullcontext()
+            return NO_AUTOCAST
         dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
         return torch.autocast(self.device_type, dtype=dtype)
 
