@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -121,10 +122,12 @@ class RichProgressBar(Callback):
         if progress is None:
             return
         description = self._epoch_description(trainer)
+        # math.inf for a loader without a length: rich then draws an open-ended bar ("n/?").
+        total = trainer.num_training_batches if math.isfinite(trainer.num_training_batches) else None
         if self._train_task is None:
-            self._train_task = progress.add_task(description, total=trainer.num_training_batches, metrics="")
+            self._train_task = progress.add_task(description, total=total, metrics="")
         else:
-            progress.reset(self._train_task, total=trainer.num_training_batches, description=description)
+            progress.reset(self._train_task, total=total, description=description)
         self._refresh_train(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
