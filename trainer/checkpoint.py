@@ -19,11 +19,15 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.errors import CheckpointError
+from trainer.rng import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
 
 CHECKPOINT_VERSION = 1
 
@@ -89,3 +93,76 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor], prefixes: tuple[str, ...
                     key, changed = key[len(prefix):], True
         clean[key] = value
     return clean
+
+
+# --------------------------------------------------------------------------- what a checkpoint holds
+
+
+def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
+    """The checkpoint dict of the format above. A collective (gathers RNG states): call on every rank."""
+    assert trainer.module is not None
+    strategy = trainer.strategy
+    checkpoint: dict[str, Any] = {
+        "version": CHECKPOINT_VERSION,
+        "state_dict": strategy.model_state_dict(),
+        "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in trainer.optimizers],
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "precision": strategy.precision.state_dict(),
+        "loops": {
+            "progress": trainer.progress.state_dict(), "seed": trainer.config.seed or 0,
+            # Per rank, like rng: each rank's running epoch means of self.log values.
+            "metrics": strategy.all_gather_object(trainer.metrics.state_dict() if trainer.metrics is not None else {}),
+        },
+        "callbacks": {callback.state_key: callback.state_dict() for callback in trainer.callbacks},
+        "loggers": [logger.state_dict() for logger in trainer.loggers],
+        "rng": strategy.all_gather_object(rng_state()),
+        "hparams": _plain(dict(trainer.module.hparams)),
+        "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
+    }
+    trainer.module.on_save_checkpoint(checkpoint)
+    for callback in trainer.callbacks:
+        callback.on_save_checkpoint(trainer, trainer.module, checkpoint)
+    return checkpoint
+
+
+def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool) -> None:
+    """Load the weights; with `full` (fit), also optimizers, schedulers, counters, callbacks, RNG: a resume."""
+    assert trainer.module is not None
+    trainer.module.on_load_checkpoint(checkpoint)
+    for callback in trainer.callbacks:
+        callback.on_load_checkpoint(trainer, trainer.module, checkpoint)
+    trainer.strategy.load_model_state_dict(checkpoint["state_dict"])
+    if not full:
+        return
+    try:
+        for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True):
+            trainer.strategy.load_optimizer_state_dict(optimizer, state)
+        for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True):
+            config.scheduler.load_state_dict(state)
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers ({err}).") from err
+    trainer.strategy.precision.load_state_dict(checkpoint.get("precision", {}))
+    trainer.progress.load_state_dict(checkpoint["loops"]["progress"])
+    saved = checkpoint.get("callbacks", {})
+    for callback in trainer.callbacks:
+        if callback.state_key in saved:
+            callback.load_state_dict(saved[callback.state_key])
+    if trainer.datamodule is not None:
+        trainer.datamodule.load_state_dict(checkpoint.get("datamodule", {}))
+    metric_states = checkpoint["loops"].get("metrics", [])
+    if metric_states and trainer.metrics is not None:
+        trainer.metrics.load_state_dict(metric_states[trainer.global_rank] if len(metric_states) == trainer.world_size else metric_states[0])
+    states = checkpoint.get("rng", [])
+    if states:
+        set_rng_state(states[trainer.global_rank] if len(states) == trainer.world_size else states[0])
+
+
+def _plain(value: Any) -> Any:
+    """hparams reduced to what weights_only loading accepts (others become their repr)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
+    return repr(value)

@@ -12,15 +12,15 @@ from torch.utils.data import DataLoader
 
 from callbacks.base import Callback
 from trainer import faults, launcher
-from trainer.checkpoint import CHECKPOINT_VERSION
+from trainer.checkpoint import build_checkpoint, restore_checkpoint
 from trainer.config import TrainerConfig, make_config, save_run_config
 from trainer.data import DataModule, as_loader_list
-from trainer.errors import CheckpointError, MisconfigurationError
+from trainer.errors import MisconfigurationError
 from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogger, next_version
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule
 from trainer.optim import LRScaler, SchedulerConfig, parse_optimizers
-from trainer.rng import rng_state, seed_everything, set_rng_state
+from trainer.rng import seed_everything
 from trainer.strategies import Strategy, build_strategy
 
 STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
@@ -330,7 +330,10 @@ class Trainer:
             if stage == "fit":  # an elastic restart continues from the newest good checkpoint of this run
                 checkpoint = faults.resume_after_restart(self, checkpoint)
             if checkpoint is not None:
-                self._restore(checkpoint, full=stage == "fit")
+                restore_checkpoint(self, checkpoint, full=stage == "fit")
+                # The checkpoint's step was already written (if due) before it was saved; a micro-batch
+                # that follows it without stepping must not write a second row for the same step.
+                self._last_logged_step = self.progress.global_step
             result = self._run_stage(stage, stage_loaders)
             outcome = {"result": result}
             if strategy.job_size > 1:
@@ -424,62 +427,7 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The checkpoint dict (format: trainer/checkpoint.py). A collective: call on every rank."""
-        assert self.module is not None
-        strategy = self.strategy
-        checkpoint: dict[str, Any] = {
-            "version": CHECKPOINT_VERSION,
-            "state_dict": strategy.model_state_dict(),
-            "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in self.optimizers],
-            "lr_schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
-            "precision": strategy.precision.state_dict(),
-            "loops": {
-                "progress": self.progress.state_dict(), "seed": self.config.seed or 0,
-                # Per rank, like rng: each rank's running epoch means of self.log values.
-                "metrics": strategy.all_gather_object(self.metrics.state_dict() if self.metrics is not None else {}),
-            },
-            "callbacks": {callback.state_key: callback.state_dict() for callback in self.callbacks},
-            "loggers": [logger.state_dict() for logger in self.loggers],
-            "rng": strategy.all_gather_object(rng_state()),
-            "hparams": _plain(dict(self.module.hparams)),
-            "datamodule": self.datamodule.state_dict() if self.datamodule is not None else {},
-        }
-        self.module.on_save_checkpoint(checkpoint)
-        for callback in self.callbacks:
-            callback.on_save_checkpoint(self, self.module, checkpoint)
-        return checkpoint
-
-    def _restore(self, checkpoint: dict[str, Any], full: bool) -> None:
-        assert self.module is not None
-        self.module.on_load_checkpoint(checkpoint)
-        for callback in self.callbacks:
-            callback.on_load_checkpoint(self, self.module, checkpoint)
-        self.strategy.load_model_state_dict(checkpoint["state_dict"])
-        if not full:
-            return
-        try:
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-                self.strategy.load_optimizer_state_dict(optimizer, state)
-            for config, state in zip(self.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True):
-                config.scheduler.load_state_dict(state)
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers ({err}).") from err
-        self.strategy.precision.load_state_dict(checkpoint.get("precision", {}))
-        self.progress.load_state_dict(checkpoint["loops"]["progress"])
-        # The checkpoint's step was already written (if due) before it was saved; a micro-batch that
-        # follows it without stepping must not write a second row for the same step.
-        self._last_logged_step = self.progress.global_step
-        saved = checkpoint.get("callbacks", {})
-        for callback in self.callbacks:
-            if callback.state_key in saved:
-                callback.load_state_dict(saved[callback.state_key])
-        if self.datamodule is not None:
-            self.datamodule.load_state_dict(checkpoint.get("datamodule", {}))
-        metric_states = checkpoint["loops"].get("metrics", [])
-        if metric_states and self.metrics is not None:
-            self.metrics.load_state_dict(metric_states[self.global_rank] if len(metric_states) == self.world_size else metric_states[0])
-        states = checkpoint.get("rng", [])
-        if states:
-            set_rng_state(states[self.global_rank] if len(states) == self.world_size else states[0])
+        return build_checkpoint(self)
 
     def _state_for_caller(self) -> dict[str, Any]:
         """What rank 0 hands back to the script that launched the job."""
@@ -506,17 +454,6 @@ class Trainer:
         self.callback_metrics, self.logged_metrics = state["callback_metrics"], state["logged_metrics"]
         for logger, logger_state in zip(self.loggers, state["loggers"]):
             logger.load_state_dict(logger_state)
-
-
-def _plain(value: Any) -> Any:
-    """hparams reduced to what weights_only loading accepts (others become their repr)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
-        return value
-    return repr(value)
 
 
 # `help(Trainer)` and IDEs show every option, from the one dataclass that defines them.
