@@ -77,9 +77,7 @@ class DDPStrategy(Strategy):
     # ------------------------------------------------------------------ the world
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
         super().configure(accelerator, devices, num_nodes, precision)
-        self.backend = self.backend or distributed.default_backend(self.accelerator)
-        if self.backend == "nccl" and self.accelerator != "cuda":
-            raise MisconfigurationError("DDPStrategy(backend='nccl') needs CUDA devices; use backend='gloo' on CPU.")
+        self.backend = distributed.resolve_backend(self.backend, self.accelerator, "DDPStrategy")
         # Checked only when the Trainer will start the processes: a launcher may give each process its own
         # GPU (srun --gpus-per-task=1), and each then sees one device.
         if self.accelerator == "cuda" and devices > torch.cuda.device_count() and not self.detect_environment().launched:

@@ -19,6 +19,14 @@ def default_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def resolve_backend(backend: str | None, device_type: str, owner: str) -> str:
+    """The process-group backend: the one asked for, else nccl on CUDA and gloo on CPU."""
+    backend = backend or default_backend(device_type)
+    if backend == "nccl" and device_type != "cuda":
+        raise MisconfigurationError(f"{owner}(backend='nccl') needs CUDA devices; use backend='gloo' on CPU.")
+    return backend
+
+
 def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s: float) -> None:
     """Join the job's default process group; a clear error for a busy port or a master out of reach."""
     if not dist.is_available():

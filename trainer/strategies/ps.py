@@ -129,9 +129,7 @@ class ParameterServerStrategy(Strategy):
                 f"num_nodes={num_nodes} gives {processes} process(es) and the first {self.ps_servers} serve; "
                 f"use at least {self.ps_servers + 1} processes in all, or fewer ps_servers."
             )
-        self.backend = self.backend or distributed.default_backend(self.accelerator)
-        if self.backend == "nccl" and self.accelerator != "cuda":
-            raise MisconfigurationError("ParameterServerStrategy(backend='nccl') needs CUDA devices; use 'gloo' on CPU.")
+        self.backend = distributed.resolve_backend(self.backend, self.accelerator, "ParameterServerStrategy")
         if self.accelerator == "cuda" and devices > torch.cuda.device_count():
             raise MisconfigurationError(
                 f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA device(s); servers use "
