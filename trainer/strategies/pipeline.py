@@ -148,9 +148,7 @@ class PipelineStrategy(Strategy):
                 f"stages_per_rank={self.stages_per_rank} = {self.num_chunks}; give {self.num_chunks - 1} split points."
             )
         check_schedule(self.schedule_name, self.schedule_class, self.microbatches, self.stages, self.stages_per_rank)
-        self.backend = self.backend or distributed.default_backend(self.accelerator)
-        if self.backend == "nccl" and self.accelerator != "cuda":
-            raise MisconfigurationError("pipeline backend='nccl' needs CUDA devices; use backend='gloo' on CPU.")
+        self.backend = distributed.resolve_backend(self.backend, self.accelerator, "PipelineStrategy")
 
     @property
     def num_chunks(self) -> int:
