@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -19,14 +18,11 @@ from torch.utils.data import (
 )
 
 from trainer.errors import MisconfigurationError
-from trainer.module import AttributeDict, caller_init_args
+from trainer.module import HyperparametersMixin
 
 
-class DataModule:
+class DataModule(HyperparametersMixin):
     """Owns the datasets and their loaders. `prepare_data` runs once per node; `setup` on every process."""
-
-    def __init__(self) -> None:
-        self._hparams = AttributeDict()
 
     def prepare_data(self) -> None:
         """Download or write files; runs on local rank 0 only, before any `setup`."""
@@ -48,15 +44,6 @@ class DataModule:
 
     def predict_dataloader(self) -> DataLoader | list[DataLoader]:
         raise MisconfigurationError(f"{type(self).__name__} has no predict_dataloader(); predict needs one.")
-
-    def save_hyperparameters(self, *names: str, ignore: list[str] | str | None = None) -> None:
-        """Store the caller's __init__ arguments in `self.hparams`."""
-        frame = inspect.currentframe()
-        self._hparams.update(caller_init_args(frame.f_back if frame else None, names, ignore))
-
-    @property
-    def hparams(self) -> AttributeDict:
-        return self._hparams
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -41,7 +41,22 @@ def caller_init_args(frame: Any, names: tuple[str, ...] = (), ignore: list[str] 
     return {k: v for k, v in values.items() if k not in ignored and k != "__class__" and (not names or k in names)}
 
 
-class TrainModule(nn.Module):
+class HyperparametersMixin:
+    """`save_hyperparameters()` and `hparams`, for TrainModule and DataModule alike."""
+
+    def save_hyperparameters(self, *names: str, ignore: list[str] | str | None = None) -> None:
+        """Store the caller's __init__ arguments in `self.hparams` (and in every checkpoint)."""
+        frame = inspect.currentframe()
+        self.hparams.update(caller_init_args(frame.f_back if frame else None, names, ignore))
+
+    @property
+    def hparams(self) -> AttributeDict:
+        """The saved hyperparameters."""
+        # Created on first use, so a subclass that skips super().__init__() still has them.
+        return self.__dict__.setdefault("_hparams", AttributeDict())
+
+
+class TrainModule(HyperparametersMixin, nn.Module):
     """Subclass this: define training_step and configure_optimizers; the other hooks are optional.
 
     Hook names, `self.log`, `self.hparams`, manual optimization and `load_from_checkpoint` follow
@@ -54,7 +69,6 @@ class TrainModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
-        self._hparams = AttributeDict()
 
     # ----------------------------------------------------------------- the steps
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -149,17 +163,6 @@ class TrainModule(nn.Module):
         """`self.log` for each item."""
         for name, value in values.items():
             self.log(name, value, **kwargs)
-
-    # ----------------------------------------------------------------- hparams
-    def save_hyperparameters(self, *names: str, ignore: list[str] | str | None = None) -> None:
-        """Store the caller's __init__ arguments in `self.hparams` (and in every checkpoint)."""
-        frame = inspect.currentframe()
-        self._hparams.update(caller_init_args(frame.f_back if frame else None, names, ignore))
-
-    @property
-    def hparams(self) -> AttributeDict:
-        """The saved hyperparameters."""
-        return self._hparams
 
     # ----------------------------------------------------------------- what the trainer tells the module
     @property
