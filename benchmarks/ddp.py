@@ -1,6 +1,6 @@
 """Trainer(strategy="ddp") against a hand-written torch DDP loop: 2 CPU processes (gloo), same work.
 
-    python benchmarks/ddp.py [--steps 60] [--rounds 3] [--hidden 512] [--batch 64]
+    python benchmarks/ddp.py [--steps 100] [--rounds 8] [--hidden 512] [--batch 64]
 
 Both run in the same two processes, interleaved round by round (each goes first in every other round),
 so drift in the machine's load hits both alike. A step is timed from the end of one optimizer step to the end of the
@@ -131,8 +131,8 @@ def worker(rank: int, ports: list[int], args: argparse.Namespace, out: str) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()

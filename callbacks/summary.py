@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from callbacks.base import Callback
+from trainer.data import batch_size_of
 from trainer.errors import MisconfigurationError
-from trainer.loop import batch_size_of
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

@@ -94,9 +94,12 @@ BAD_INPUTS = [
 
 
 @pytest.fixture()
-def recipes_here(tmp_path: Path) -> Path:
+def recipes_here(tmp_path: Path, monkeypatch) -> Path:
     for name, text in {**FILES, **MODULES}.items():
         (tmp_path / name).write_text(text)
+    # `trainer` puts its working directory on sys.path (cli.main); tests that call load_recipe directly
+    # need the same, and an import cache that has seen the new files.
+    monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,8 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from callbacks import Callback, ModelCheckpoint
-from trainer import Trainer, TrainModule
+from trainer import Trainer, TrainModule, faults
 from trainer.checkpoint import load_checkpoint_file
+from trainer.data import prepare_loader
 from trainer.errors import CheckpointError
 from trainer.faults import SIGTERM_EXIT_CODE, CollectiveTimeoutError, NonFiniteLossError
 
@@ -259,6 +261,65 @@ def test_skip_mode_drops_nan_steps_like_a_hand_written_loop_and_counts_them(tmp_
     assert module.trainer.global_step == 2 * 8 - 2
     skipped = [row["train/skipped_nonfinite"] for row in metrics_rows(tmp_path) if row.get("train/skipped_nonfinite")]
     assert skipped == ["1.0", "1.0"]  # one poisoned batch in each epoch
+
+
+class SignalDisposition(torch.utils.data.Dataset):
+    """Each item: whether the process that loads it ignores SIGTERM, and the worker init's mark."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index):
+        return signal.getsignal(signal.SIGTERM) == signal.SIG_IGN, os.environ.get("USER_INIT_RAN", "no")
+
+
+def mark_user_init(worker_id: int) -> None:
+    os.environ["USER_INIT_RAN"] = "yes"
+
+
+def test_loader_workers_ignore_sigterm_and_still_run_the_users_worker_init(tmp_path):
+    loader = DataLoader(SignalDisposition(), batch_size=2, num_workers=1, worker_init_fn=mark_user_init)
+    assert next(iter(loader))[0].tolist() == [False, False]  # as torch leaves them
+    prepared = prepare_loader(loader, train=True)
+    ignored, user_init_ran = next(iter(prepared))
+    assert ignored.tolist() == [True, True] and user_init_ran == ("yes", "yes")
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # this process still hears it
+
+
+class EchoStrategy:
+    """Two ranks in lockstep whose all-reduce returns this rank's own values; counts the exchanges."""
+
+    world_size, steps_in_lockstep = 2, True
+
+    def __init__(self) -> None:
+        self.exchanges = 0
+
+    def max_across_ranks_async(self, values: list[float]) -> list[float]:
+        self.exchanges += 1
+        return values
+
+    def max_across_ranks_result(self, pending: list[float]) -> list[float]:
+        return pending
+
+
+def test_ranks_exchange_sigterm_flags_every_few_steps_and_act_on_them_together(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
+    strategy = EchoStrategy()
+    trainer = SimpleNamespace(config=SimpleNamespace(nonfinite_loss="error"), strategy=strategy)
+    guard = faults.StepGuard(trainer)
+    stop_at = None
+    for boundary in range(1, 1001):
+        clock[0] += 0.010 if boundary <= 500 else 2.0  # 10 ms steps, then 2 s steps
+        if boundary == 503:
+            guard.signalled = True
+        if guard._settle(False)[1]:
+            stop_at = boundary
+            break
+    # Fast steps: one exchange per MAX_AGREE_INTERVAL (4) steps instead of one per step...
+    assert 125 <= strategy.exchanges <= 130
+    # ...yet a signal that comes as the steps slow down is acted on within two intervals.
+    assert stop_at is not None and 503 < stop_at <= 503 + 2 * faults.MAX_AGREE_INTERVAL + 1
 
 
 # --------------------------------------------------------------------------- ddp on 2 processes

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 CHECKPOINT_VERSION = 1
 
 
-def save_checkpoint_file(checkpoint: dict[str, Any], path: str | Path) -> Path:
-    """Write `checkpoint` to `path` so that a crash at any moment leaves the previous file intact."""
+def save_checkpoint_file(checkpoint: Any, path: str | Path) -> Path:
+    """torch.save `checkpoint` to `path` so that a crash at any moment leaves the previous file intact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -187,9 +187,11 @@ def _show_predictions(outputs: list[Any], trainer: Any) -> None:
         return
     import torch
 
-    path = trainer.log_dir / "predictions.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(outputs, path)
+    from trainer.checkpoint import save_checkpoint_file
+    from trainer.strategies.base import move_to_device
+
+    # On the host, so the file loads anywhere without a map_location.
+    path = save_checkpoint_file(move_to_device(outputs, torch.device("cpu")), trainer.log_dir / "predictions.pt")
     print(f"{len(outputs)} batches of predictions saved to {path}")
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -100,13 +101,45 @@ class ResumableBatchSampler(BatchSampler):
 # --------------------------------------------------------------------------- loaders
 
 
+def batch_size_of(batch: Any) -> int:
+    """The leading dimension of the first tensor in a batch (the weight of its logged means)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size:
+                return size
+    return 1
+
+
+class WorkerInit:
+    """A loader worker's start: ignore SIGTERM, then run the user's worker_init_fn.
+
+    A job's SIGTERM (SLURM signals every process of the job) would otherwise kill the workers at once,
+    and the training process, which saves a checkpoint at its next step boundaries (faults.py), would
+    fail on its next batch instead. Workers still end with the training process.
+    """
+
+    def __init__(self, user_init: Callable[[int], None] | None) -> None:
+        self.user_init = user_init
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+
 def _loader_kwargs(loader: DataLoader, pin_memory: bool | None) -> dict[str, Any]:
+    user_init = loader.worker_init_fn
     kwargs: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory if pin_memory is None else (pin_memory or loader.pin_memory),
         "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
+        "worker_init_fn": user_init if isinstance(user_init, WorkerInit) else WorkerInit(user_init),
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": loader.generator,
         "persistent_workers": loader.persistent_workers,

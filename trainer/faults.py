@@ -3,9 +3,9 @@ or restarted run picks up. The loop calls these in one line each.
 
 SIGTERM (what SLURM and Kubernetes send some seconds before SIGKILL)
     During fit each training process catches SIGTERM, and the handler only sets a flag (saving inside a
-    handler could interrupt a collective or a file write half-way). At the next optimizer-step boundary,
-    after that batch's validation if one is due, the ranks agree that one of them was signalled (below),
-    all of them join the save of `last.ckpt` (in the ModelCheckpoint folder, else `<log_dir>/checkpoints/`)
+    handler could interrupt a collective or a file write half-way). At the next optimizer-step boundary
+    (the one after it when several ranks must agree, below), after that batch's validation if one is due,
+    all ranks join the save of `last.ckpt` (in the ModelCheckpoint folder, else `<log_dir>/checkpoints/`)
     and fit raises `Terminated`: a SystemExit with code 143 (128 + SIGTERM, what a process killed by
     SIGTERM reports, so a scheduler counts the run as stopped, not as completed). `fit(ckpt_path="last")`
     then resumes exactly there. Under the Trainer's launcher the elastic agent forwards SIGTERM to the workers
@@ -25,11 +25,21 @@ Non-finite losses (`Trainer(nonfinite_loss=...)`)
     job stops.
 
 Agreement between ranks
-    Ranks that step together (ddp, pipeline) settle the SIGTERM flag and 'skip' decisions with one 2-value
-    all-reduce per optimizer step, so they save or skip at the same step and none is left waiting in a
-    collective the others never join. Its cost is one round trip per step: measured at 3 ms on a 24 ms
-    2-process CPU step on two overloaded cores (where waiting for a scheduled peer dominates); a loopback
-    round trip is tens of microseconds on free cores. Workers that run at their own pace (ps) act alone.
+    Ranks that step together (ddp, pipeline) must save or skip at the same step, or one would be left
+    waiting in a collective the others never join. They exchange their SIGTERM flags in a small all-reduce
+    that does not block: started at one step boundary and read at the next exchange, by when it has long
+    completed. Each exchange also carries the interval, in step boundaries, that every rank proposes from
+    its pace (about AGREE_EVERY_S = 0.25 s of steps, at most MAX_AGREE_INTERVAL = 4); the smallest is used
+    by all, so they count to the same boundary. With fast steps that is one round trip every 4 steps, of
+    which nobody waits for any (one blocking exchange per step cost 5-8% of a 12 ms 2-process CPU step).
+    A SIGTERM is acted on within two intervals: about half a second at a steady pace, at most 9 steps when
+    the steps slow down right after an exchange. The cap keeps that short: the data loader's worker
+    processes ignore SIGTERM (data.py), but a step that waits longer eats into the grace period before
+    SIGKILL (10 s under the Trainer's launcher, 30 s by default under SLURM).
+    A 'skip' decision cannot wait, so under nonfinite_loss='skip' the flags are settled by one blocking
+    2-value all-reduce per step instead: one round trip (tens of microseconds on free cores; 3 ms were
+    measured on a 24 ms 2-process CPU step on two overloaded cores, where waiting for a scheduled peer
+    dominates). Workers that run at their own pace (ps) act alone.
 
 Collective timeouts (`Trainer(timeout=...)`)
     gloo gives up on a collective after the process-group timeout; the error it raises names a socket
@@ -47,6 +57,7 @@ import math
 import signal
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Iterable
@@ -63,6 +74,8 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
+AGREE_EVERY_S = 0.25  # how often ranks stepping together exchange their SIGTERM flags (see the module docstring)
+MAX_AGREE_INTERVAL = 4  # step boundaries between exchanges, at most: bounds the delay when steps slow down
 NONFINITE_MODES = ("error", "skip", "ignore")
 
 
@@ -94,6 +107,12 @@ class StepGuard:
         self.signalled = False
         self._losses: list[tuple[int, torch.Tensor]] = []  # the accumulation window's (batch_idx, loss)
         self._stop: bool | None = None  # what the ranks agreed at this batch's step boundary, until acted on
+        strategy = trainer.strategy
+        self._agree = strategy.world_size > 1 and strategy.steps_in_lockstep  # ranks must act at the same step
+        self._pending: Any = None  # the SIGTERM exchange started at the last exchange boundary
+        self._countdown = 0  # step boundaries until the next exchange (agreed, so the same on every rank)
+        self._interval = 1  # step boundaries from the last exchange to the next
+        self._last_exchange: float | None = None  # time.monotonic() of the last exchange
         self._previous_handler: Any = None
         self._installed = False
 
@@ -104,6 +123,9 @@ class StepGuard:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self._pending is not None and exc_info[0] is None:
+            self.trainer.strategy.max_across_ranks_result(self._pending)  # every rank sent it: collect it, leave none open
+        self._pending = None
         if self._installed:
             previous = self._previous_handler
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
@@ -112,16 +134,17 @@ class StepGuard:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.signalled = True
 
-    def record(self, output: Any, batch_idx: int) -> None:
-        """Keep a micro-batch's loss until its optimizer step checks it (nothing is read back here)."""
-        if self.mode == "ignore":
-            return
-        loss = output.get("loss") if isinstance(output, dict) else output
-        if isinstance(loss, torch.Tensor):
-            self._losses.append((batch_idx, loss.detach()))
+    def allow_step(self, output: Any, batch_idx: int, stepping: bool) -> bool:
+        """Keep a micro-batch's loss; at the micro-batch that steps, check and settle its window.
 
-    def allow_step(self) -> bool:
-        """At a micro-batch that steps: check and settle its window; False when its step is skipped."""
+        True when the optimizer should step now; False on an accumulating micro-batch or a skipped step.
+        """
+        if self.mode != "ignore":
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if isinstance(loss, torch.Tensor):
+                self._losses.append((batch_idx, loss.detach()))
+        if not stepping:
+            return False
         losses, self._losses = self._losses, []
         local = _first_nonfinite(losses)
         if local is not None and self.mode == "error":
@@ -147,13 +170,36 @@ class StepGuard:
 
     def _settle(self, bad: bool) -> tuple[bool, bool]:
         """(some rank skips this step, some rank got SIGTERM), the same on every rank that steps in lockstep."""
-        strategy = self.trainer.strategy
-        if strategy.world_size == 1 or not strategy.steps_in_lockstep:
+        if not self._agree:
             return bad, self.signalled
-        # One 2-value all-reduce per optimizer step (tens of microseconds on gloo, plus a host sync on
-        # NCCL): a rank that stopped or skipped alone would leave the others waiting in the next collective.
-        flags = strategy.reduce(torch.tensor([float(bad), float(self.signalled)]), "max").tolist()
-        return flags[0] > 0, flags[1] > 0
+        strategy = self.trainer.strategy
+        if self.mode == "skip":
+            # A skip must be agreed before this step is taken: one blocking 2-value all-reduce.
+            skip, stop = strategy.max_across_ranks_result(strategy.max_across_ranks_async([float(bad), float(self.signalled)]))
+            return skip > 0, stop > 0
+        self._countdown -= 1
+        if self._countdown > 0:
+            return bad, False
+        # SIGTERM flags are exchanged every few steps, without blocking: the maxima sent at the previous
+        # exchange (finished during the steps since) are read now, then this rank's flag and the interval
+        # it proposes go out. The smallest proposal wins, so every rank counts the same boundaries to the next.
+        stop, interval = False, 1
+        if self._pending is not None:
+            signalled, negated_interval = strategy.max_across_ranks_result(self._pending)
+            stop, interval = signalled > 0, int(-negated_interval)
+        proposal = self._proposal(self._interval)
+        self._pending = None if stop else strategy.max_across_ranks_async([float(self.signalled), -proposal])
+        self._interval = self._countdown = interval
+        return bad, stop
+
+    def _proposal(self, boundaries: int) -> float:
+        """How many step boundaries make about AGREE_EVERY_S, at this rank's pace over the `boundaries` since
+        the last exchange."""
+        now = time.monotonic()
+        previous, self._last_exchange = self._last_exchange, now
+        if previous is None or now <= previous:  # the first exchange: nothing to measure from yet
+            return 1.0
+        return float(min(MAX_AGREE_INTERVAL, max(1, int(AGREE_EVERY_S * boundaries / (now - previous)))))
 
     def _describe(self, batch_idx: int, value: float) -> str:
         progress, strategy = self.trainer.progress, self.trainer.strategy
@@ -180,11 +226,13 @@ def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float
     """(batch_idx, value) of the window's first non-finite loss; one host read when all are finite."""
     if not losses:
         return None
-    if all(loss.is_cpu and loss.numel() == 1 for _, loss in losses):
-        # Host scalars: reading each is ~1 us, where the stacked tensor check below costs tens of us a step.
-        if all(math.isfinite(float(loss)) for _, loss in losses):
-            return None
-    elif bool(torch.stack([torch.isfinite(loss).all() for _, loss in losses]).all()):
+    if len(losses) == 1 and losses[0][1].ndim == 0:
+        # The usual window, one scalar loss: reading it is one host sync, like the check below, with
+        # none of its kernel launches (they cost tens of microseconds a step on a CPU).
+        batch_idx, loss = losses[0]
+        value = loss.item()
+        return None if math.isfinite(value) else (batch_idx, value)
+    if bool(torch.stack([torch.isfinite(loss).all() for _, loss in losses]).all()):
         return None
     for batch_idx, loss in losses:
         if not bool(torch.isfinite(loss).all()):
@@ -207,7 +255,8 @@ _OPERATIONS = {
     "backward": "the gradient all-reduce in backward",
     "forward_backward": "the training step (forward, backward and the gradient all-reduce)",
     "training_step": "the training step's forward (DDP broadcasts buffers there)",
-    "reduce": "an all-reduce (logged values or the per-step agreement)",
+    "reduce": "an all-reduce of logged values",
+    "max_across_ranks_result": "the ranks' agreement on SIGTERM and skipped steps",
     "barrier": "a barrier",
     "broadcast": "a broadcast",
     "all_gather_object": "an all-gather",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.data import batch_size_of
 from trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ def _batch_value(metric: Metric) -> torch.Tensor:
 
 def _to_tensor(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
+        if value.ndim == 0:  # the usual case, checked first: self.log runs on every step
+            return value.detach()
         if value.numel() != 1:
             raise MisconfigurationError(f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars.")
         return value.detach().reshape(())
@@ -69,7 +72,7 @@ class MetricCollector:
     def __init__(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
         self._reduce = reduce
         self._entries: dict[str, _Entry] = {}
-        self.batch_size: int = 1
+        self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
         self.in_step = True  # False inside epoch-end hooks, where defaults switch to on_epoch
         self.stage = "train"
 
@@ -85,7 +88,7 @@ class MetricCollector:
         if entry is None:
             entry = self._entries[name] = _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
         entry.updated = True
-        if _is_metric(value):
+        if not isinstance(value, torch.Tensor) and _is_metric(value):
             entry.metric = value
             entry.step_value = _batch_value(value).detach() if on_step else None
             return
@@ -93,7 +96,7 @@ class MetricCollector:
         if on_step:
             entry.step_value = self._reduce(tensor, reduce_fx) if sync_dist else tensor
         if on_epoch:
-            weight = float(batch_size or self.batch_size)
+            weight = float(batch_size or batch_size_of(self.batch))
             if entry.total is None:
                 entry.total = tensor * weight if reduce_fx == "mean" else tensor.clone()
             elif reduce_fx == "mean":
@@ -107,17 +110,18 @@ class MetricCollector:
     def _name(self, name: str, entry: _Entry, suffix: str) -> str:
         return f"{name}_{suffix}" if entry.on_step and entry.on_epoch else name
 
-    def step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(values for loggers, values for the progress bar) of the current step."""
+    def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(values for loggers, values for the progress bar) logged in the current step, which they leave."""
         for_logger, for_bar = {}, {}
         for name, entry in self._entries.items():
-            if entry.step_value is None:
+            value = entry.step_value
+            if value is None:
                 continue
-            key = self._name(name, entry, "step")
+            entry.step_value = None
             if entry.logger:
-                for_logger[key] = entry.step_value
+                for_logger[self._name(name, entry, "step")] = value
             if entry.prog_bar:
-                for_bar[name] = entry.step_value
+                for_bar[name] = value
         return for_logger, for_bar
 
     def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -167,10 +171,6 @@ class MetricCollector:
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         for name, saved in state.items():
             self._entries[name] = _Entry(**{key: saved[key] for key in self._SAVED_FIELDS})
-
-    def clear_step(self) -> None:
-        for entry in self._entries.values():
-            entry.step_value = None
 
     def reset(self) -> None:
         for entry in self._entries.values():

@@ -56,20 +56,6 @@ def batch_limit(loader: DataLoader, limit: int | float) -> int | float:
     return math.inf if limit == 1.0 else 0
 
 
-def batch_size_of(batch: Any) -> int:
-    """The leading dimension of the first tensor in a batch (the weight of its logged means)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = batch_size_of(item)
-            if size:
-                return size
-    return 1
-
-
 # --------------------------------------------------------------------------- fit
 
 
@@ -183,9 +169,9 @@ def _done(trainer: Trainer, max_epochs: int) -> bool:
 
 def _train_batch(trainer: Trainer, guard: StepGuard, batch: Any, batch_idx: int, is_last: bool) -> None:
     """One micro-batch; every accumulate_grad_batches (and at the epoch's end) an optimizer step."""
-    strategy, module, config, progress = trainer.strategy, trainer.module, trainer.config, trainer.progress
+    strategy, module, progress = trainer.strategy, trainer.module, trainer.progress
     batch = strategy.batch_to_device(batch)
-    trainer.metrics.batch_size = batch_size_of(batch)
+    trainer.metrics.batch = batch
     if trainer.call("on_train_batch_start", batch, batch_idx) == -1:
         trainer.should_stop = True  # Lightning's convention: -1 ends the epoch
         return
@@ -193,19 +179,18 @@ def _train_batch(trainer: Trainer, guard: StepGuard, batch: Any, batch_idx: int,
         outputs = strategy.training_step(batch, batch_idx)
         progress.global_step += 1
     else:
-        accumulate = config.accumulate_grad_batches
+        accumulate = trainer.config.accumulate_grad_batches
         # The epoch's tail may hold fewer than `accumulate` micro-batches; step on it anyway.
         stepping = (batch_idx + 1) % accumulate == 0 or is_last
-        # Gradients only need to be synchronised on the micro-batch that steps.
-        with strategy.no_backward_sync(skip=not stepping):
-            outputs = strategy.forward_backward(
-                batch, batch_idx, loss_scale=1.0 / accumulate,
-                before_backward=lambda loss: trainer.call("on_before_backward", loss),
-            )
+        before_backward = trainer.hook_caller("on_before_backward")
+        if stepping:
+            outputs = strategy.forward_backward(batch, batch_idx, 1.0 / accumulate, before_backward)
+        else:
+            with strategy.no_backward_sync():  # gradients only need synchronising on the micro-batch that steps
+                outputs = strategy.forward_backward(batch, batch_idx, 1.0 / accumulate, before_backward)
         trainer.call("on_after_backward")
-        guard.record(outputs, batch_idx)
         # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
-        if stepping and guard.allow_step():
+        if guard.allow_step(outputs, batch_idx, stepping):
             _optimizer_step(trainer)
     progress.epoch_batches = batch_idx + 1
     trainer.publish_step_metrics()
@@ -218,8 +203,7 @@ def _optimizer_step(trainer: Trainer) -> None:
         trainer.call("on_before_optimizer_step", optimizer)
         if config.gradient_clip_val:
             strategy.clip_gradients(optimizer, float(config.gradient_clip_val), config.gradient_clip_algorithm)
-        with trainer.lr_scaler.warmup(optimizer, progress.global_step):
-            strategy.optimizer_step(optimizer)
+        trainer.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step)
         trainer.call("on_before_zero_grad", optimizer)
         optimizer.zero_grad(set_to_none=True)
     progress.global_step += 1
@@ -258,7 +242,7 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
                 if batch_idx >= num_batches:
                     break
                 batch = strategy.batch_to_device(batch)
-                trainer.metrics.batch_size = batch_size_of(batch)
+                trainer.metrics.batch = batch
                 trainer.call(f"on_{hook}_batch_start", batch, batch_idx, dataloader_idx)
                 outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx)
                 trainer.call(f"on_{hook}_batch_end", outputs, batch, batch_idx, dataloader_idx)

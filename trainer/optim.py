@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,6 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from trainer.errors import MisconfigurationError
 
 LR_SCALINGS = ("none", "linear", "sqrt")
-_NOTHING = contextlib.nullcontext()  # stateless and reentrant: shared by every step
 
 
 @dataclass
@@ -107,11 +106,13 @@ class LRScaler:
             if hasattr(config.scheduler, "base_lrs"):
                 config.scheduler.base_lrs = [lr * self.factor for lr in config.scheduler.base_lrs]
 
-    def warmup(self, optimizer: Optimizer, step: int) -> contextlib.AbstractContextManager:
-        """Lower the rate for this step while warming up; restore it afterwards."""
-        if self.factor == 1.0 or step >= self.warmup_steps:
-            return _NOTHING  # every step after warm-up: no generator to build
-        return self._lowered(optimizer, (1.0 + (self.factor - 1.0) * step / self.warmup_steps) / self.factor)
+    def step(self, optimizer: Optimizer, global_step: int, optimizer_step: Callable[[Optimizer], None]) -> None:
+        """Run `optimizer_step(optimizer)`, at a lowered rate while warming up (restored afterwards)."""
+        if self.factor == 1.0 or global_step >= self.warmup_steps:
+            optimizer_step(optimizer)  # every step after warm-up: no context to enter
+            return
+        with self._lowered(optimizer, (1.0 + (self.factor - 1.0) * global_step / self.warmup_steps) / self.factor):
+            optimizer_step(optimizer)
 
     @staticmethod
     @contextlib.contextmanager

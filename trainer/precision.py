@@ -33,12 +33,13 @@ class Precision:
 
     def __init__(self, precision: str = "32", device_type: str = "cpu") -> None:
         self.precision = validate_precision(precision, device_type)
+        self.mixed = self.precision != "32"  # forward passes run under autocast
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler(device_type) if self.precision == "16-mixed" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context a forward pass runs in."""
-        if self.precision == "32":
+        if not self.mixed:
             return NO_AUTOCAST
         dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
         return torch.autocast(self.device_type, dtype=dtype)

@@ -45,12 +45,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what rng_state() returned."""
+    """Restore what rng_state() returned (its tensors may have been mapped to a GPU on load)."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     npy = state["numpy"]
     np.random.set_state(
-        (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+        (npy["kind"], npy["keys"].cpu().numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
     )
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,10 @@ class Trainer:
             method(self, self.module, *args)
         return targets[1](*args) if targets[1] is not None else None
 
+    def hook_caller(self, hook: str) -> Callable[..., Any]:
+        """`call` with `hook` bound: a callback for code that fires a hook without knowing the trainer."""
+        return functools.partial(self.call, hook)
+
     def _resolve_hook(self, hook: str) -> tuple[list[Any], Any]:
         """The callbacks and module methods that override `hook`: the loop fires six hooks a step, and
         skipping the base classes' empty bodies keeps that dispatch off the per-step profile."""
@@ -188,8 +194,7 @@ class Trainer:
     def publish_step_metrics(self) -> None:
         """Make this step's logged values visible to callbacks and the bar; write them every n steps."""
         assert self.metrics is not None
-        for_logger, for_bar = self.metrics.step_values()
-        self.metrics.clear_step()
+        for_logger, for_bar = self.metrics.take_step_values()
         self.callback_metrics.update(for_logger)
         self.progress_bar_metrics.update(for_bar)
         step = self.progress.global_step

@@ -163,6 +163,8 @@ class Strategy:
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Run the user's training_step under autocast (through the wrapper, if any)."""
+        if not self.precision.mixed:  # the per-step path: no context to enter and leave
+            return self.module.training_step(batch, batch_idx)
         with self.precision.autocast():
             return self.module.training_step(batch, batch_idx)
 
@@ -189,8 +191,8 @@ class Strategy:
         with self.precision.autocast():
             return getattr(self.module, step_name)(*args)
 
-    def no_backward_sync(self, skip: bool) -> contextlib.AbstractContextManager:
-        """A context that skips gradient synchronisation when `skip` (accumulating micro-batches)."""
+    def no_backward_sync(self) -> contextlib.AbstractContextManager:
+        """A context whose backward passes skip gradient synchronisation (micro-batches that accumulate)."""
         return contextlib.nullcontext()
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
@@ -215,12 +217,24 @@ class Strategy:
         )
 
     def batch_to_device(self, batch: Any) -> Any:
+        """The batch on this process's device. On a CPU the loader's host tensors are used as they are:
+        walking every batch to find nothing to move costs each step for no gain."""
+        if self.root_device.type == "cpu":
+            return batch
         return move_to_device(batch, self.root_device, non_blocking=self.root_device.type == "cuda")
 
     # ------------------------------------------------------------------ collectives (no-ops on one process)
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce across all ranks with 'mean', 'sum', 'max' or 'min'."""
         return tensor
+
+    def max_across_ranks_async(self, values: list[float]) -> Any:
+        """Start taking the maximum of each of `values` over every rank, without waiting for it."""
+        return values  # one process: nobody else to ask
+
+    def max_across_ranks_result(self, pending: Any) -> list[float]:
+        """Wait for a `max_across_ranks_async` and return its maxima."""
+        return pending
 
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank."""

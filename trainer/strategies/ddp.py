@@ -157,8 +157,8 @@ class DDPStrategy(Strategy):
         with self.precision.autocast():
             return self.model("training_step", batch, batch_idx)
 
-    def no_backward_sync(self, skip: bool) -> contextlib.AbstractContextManager:
-        if skip and isinstance(self.model, DistributedDataParallel):
+    def no_backward_sync(self) -> contextlib.AbstractContextManager:
+        if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
@@ -169,6 +169,12 @@ class DDPStrategy(Strategy):
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         device = self._collective_device()
         return distributed.all_reduce(tensor.to(device), op).to(tensor.device)
+
+    def max_across_ranks_async(self, values: list[float]) -> Any:
+        return distributed.max_across_ranks_async(values, self._collective_device())
+
+    def max_across_ranks_result(self, pending: Any) -> list[float]:
+        return distributed.max_across_ranks_result(pending)
 
     def barrier(self, name: str | None = None) -> None:
         device_ids = [self.root_device.index] if self.backend == "nccl" else None

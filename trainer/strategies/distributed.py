@@ -103,6 +103,18 @@ def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any = None) -> tor
     return result
 
 
+def max_across_ranks_async(values: list[float], device: torch.device, group: Any = None) -> tuple[Any, torch.Tensor]:
+    """Start a MAX all-reduce of a few numbers without waiting; `max_across_ranks_result` waits for it."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor
+
+
+def max_across_ranks_result(pending: tuple[Any, torch.Tensor]) -> list[float]:
+    work, tensor = pending
+    work.wait()
+    return tensor.tolist()
+
+
 def barrier(group: Any = None, device_ids: list[int] | None = None) -> None:
     """Wait for every rank of `group`; NCCL wants the rank's CUDA device named."""
     dist.barrier(group=group, device_ids=device_ids)

@@ -298,15 +298,12 @@ class PipelineStrategy(Strategy):
             offset += grad.numel()
 
     @contextlib.contextmanager
-    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
-        saved, self._sync_gradients = self._sync_gradients, enabled
+    def no_backward_sync(self) -> Iterator[None]:
+        saved, self._sync_gradients = self._sync_gradients, False
         try:
             yield
         finally:
             self._sync_gradients = saved
-
-    def no_backward_sync(self, skip: bool) -> contextlib.AbstractContextManager:
-        return self._gradient_sync(not skip)
 
     def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Forward-only through the stages; the last stage's logging is replayed on its replica's ranks."""
@@ -392,6 +389,12 @@ class PipelineStrategy(Strategy):
         if op == "sum":
             result = result / self.stages
         return result.to(tensor.device)
+
+    def max_across_ranks_async(self, values: list[float]) -> Any:
+        return distributed.max_across_ranks_async(values, self.root_device if self.backend == "nccl" else torch.device("cpu"))
+
+    def max_across_ranks_result(self, pending: Any) -> list[float]:
+        return distributed.max_across_ranks_result(pending)
 
     def barrier(self, name: str | None = None) -> None:
         distributed.barrier(device_ids=[self.root_device.index] if self.backend == "nccl" else None)

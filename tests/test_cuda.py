@@ -1,0 +1,144 @@
+"""The CUDA paths on one GPU: device placement, pinned loaders, mixed precision, nccl, and checkpoints that
+cross between GPU and CPU. Every test is skipped on a machine without CUDA (CI's); they ran on an H100.
+
+Each compares with a hand-written loop on the same GPU, same seed and same batches (the Trainer's
+DistributedSampler order, as in test_loop.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from trainer import Trainer, TrainModule
+from trainer.checkpoint import load_checkpoint_file
+from trainer.errors import MisconfigurationError
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SEED = 3
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, logger=False, num_sanity_val_steps=0, seed=SEED)
+
+
+def data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 12, generator=generator)
+    return TensorDataset(x, x @ torch.randn(12, 1, generator=generator))
+
+
+class Net(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.batch_devices: set[str] = set()
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.batch_devices.add(str(batch[0].device))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def reference(epochs: int, precision: str = "32") -> nn.Module:
+    """A hand-written loop on cuda:0 with the Trainer's batch order, autocast and grad scaler."""
+    torch.manual_seed(SEED)
+    model = Net().net.cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda") if precision == "16-mixed" else None
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data(), batch_size=16, sampler=sampler):
+            x, y = x.cuda(), y.cuda()
+            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.mse_loss(model(x), y)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def assert_close(module: nn.Module, expected: nn.Module, tolerance: float = 0.0) -> None:
+    for (name, actual), wanted in zip(module.state_dict().items(), expected.state_dict().values()):
+        assert actual.device == wanted.device, name
+        torch.testing.assert_close(actual, wanted, rtol=tolerance, atol=tolerance, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed", "16-mixed"])
+def test_fit_on_cuda_matches_a_hand_written_loop_on_the_same_gpu(precision, tmp_path):
+    module = Net()
+    trainer = Trainer(accelerator="cuda", precision=precision, max_epochs=2, default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
+    assert module.batch_devices == {"cuda:0"}
+    assert next(module.parameters()).dtype == torch.float32  # mixed precision keeps fp32 master weights
+    assert_close(module.net, reference(2, precision))
+
+
+def test_training_loaders_are_pinned_on_cuda(tmp_path):
+    module = Net()
+    trainer = Trainer(accelerator="cuda", max_epochs=1, default_root_dir=str(tmp_path), **QUIET)
+    loader = DataLoader(data(), batch_size=16, shuffle=True)
+    assert not loader.pin_memory
+    trainer.fit(module, loader)
+    prepared = trainer.strategy.prepare_loader(loader, train=True, seed=SEED)
+    assert prepared.pin_memory
+    assert next(iter(prepared))[0].is_pinned()
+
+
+def test_a_cuda_checkpoint_loads_on_cpu_and_resumes_there(tmp_path):
+    module = Net()
+    trainer = Trainer(accelerator="cuda", max_epochs=1, default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
+    path = tmp_path / "gpu.ckpt"
+    trainer.save_checkpoint(path)
+    assert load_checkpoint_file(path, map_location="cuda")["state_dict"]["net.0.weight"].is_cuda
+
+    on_cpu = Net.load_from_checkpoint(path)  # map_location="cpu" by default
+    assert_close(on_cpu.net, module.net.cpu())
+    resumed = Net()
+    Trainer(accelerator="cpu", max_epochs=2, default_root_dir=str(tmp_path / "cpu"), **QUIET).fit(
+        resumed, DataLoader(data(), batch_size=16, shuffle=True), ckpt_path=path)
+    assert resumed.trainer.global_step == 12 and next(resumed.parameters()).device.type == "cpu"
+    assert_close(resumed.net.cuda(), reference(2), tolerance=1e-5)  # CPU and GPU kernels round differently
+
+
+def test_ddp_with_nccl_on_one_gpu_trains_like_one_device(tmp_path):
+    module = Net()
+    trainer = Trainer(strategy="ddp", devices=1, accelerator="cuda", max_epochs=2, default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
+    assert trainer.strategy.backend == "nccl"
+    assert module.batch_devices == {"cuda:0"}
+    assert_close(module.net, reference(2))
+
+
+def test_ddp_asking_for_more_gpus_than_the_machine_has_is_refused_before_starting():
+    with pytest.raises(MisconfigurationError, match=rf"devices={torch.cuda.device_count() + 1} but this machine has"):
+        Trainer(strategy="ddp", devices=torch.cuda.device_count() + 1, accelerator="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="the one-GPU fallback")
+def test_dp_on_one_gpu_warns_and_trains_on_it(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(strategy="dp", devices=2, accelerator="cuda", max_epochs=2, default_root_dir=str(tmp_path), **QUIET)
+    assert sum("strategy='dp'" in str(w.message) for w in caught) == 1
+    module = Net()
+    trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
+    assert module.batch_devices == {"cuda:0"}
+    assert_close(module.net, reference(2))
