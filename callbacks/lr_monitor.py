@@ -60,7 +60,9 @@ class LearningRateMonitor(Callback):
     def _log(self, trainer: Trainer, interval: str) -> None:
         if not trainer.is_global_zero:
             return
-        rates = {key: lr for key, lr in current_lrs(trainer.optimizers).items()
+        # During lr_scaling's warm-up the step runs at a fraction of the group's rate: log what it uses.
+        ratio = trainer.lr_scaler.warmup_ratio(trainer.global_step)
+        rates = {key: lr for key, lr in current_lrs(trainer.optimizers, ratio).items()
                  if self._interval_of.get(int(key.split("-")[1])) == interval}
         if rates:
             for logger in trainer.loggers:

@@ -346,6 +346,8 @@ class Scheduled(Scripted):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.interval is None:
+            return optimizer
         if self.interval == "step":
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         else:
@@ -365,6 +367,15 @@ def test_lr_monitor_follows_an_epoch_scheduler(tmp_path):
     trainer.fit(Scheduled("epoch"), *loaders())
     expected = [(BATCHES_PER_EPOCH * e, pytest.approx(0.1 * 0.9**e)) for e in range(3)]
     assert read_lr_rows(trainer.log_dir) == expected
+
+
+def test_lr_monitor_logs_the_warmed_rate_during_lr_scaling_warmup(tmp_path):
+    trainer = make_trainer(tmp_path, [LearningRateMonitor("step")], max_epochs=2, logger=True, log_every_n_steps=1,
+                           accumulate_grad_batches=2, lr_scaling="linear", lr_warmup_steps=2)
+    trainer.fit(Scheduled(None), *loaders())
+    # x2 (accumulate 2), reached linearly over 2 steps: 0.1, 0.15, then 0.2.
+    assert read_lr_rows(trainer.log_dir) == [(0, pytest.approx(0.1)), (1, pytest.approx(0.15)),
+                                             (2, pytest.approx(0.2)), (3, pytest.approx(0.2))]
 
 
 def test_lr_monitor_needs_a_logger(tmp_path):

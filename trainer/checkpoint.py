@@ -6,7 +6,8 @@ A checkpoint is a plain dict that `torch.load(weights_only=True)` can read:
     optimizer_states one state_dict per optimizer, parameters keyed as in a single-device run
     lr_schedulers    one state_dict per scheduler
     precision        grad-scaler state ({} without one)
-    loops            epoch, global_step, batches consumed in the current epoch, sampler seed
+    loops            epoch, global_step, batches consumed in the current epoch, sampler seed, the
+                     lr_scaling factor the saved rates carry, each rank's running epoch metrics
     callbacks        {callback.state_key: its state_dict()}
     loggers          {index: logger state_dict()}
     rng              one entry per global rank (python, numpy, torch, cuda)
@@ -110,6 +111,7 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         "precision": strategy.precision.state_dict(),
         "loops": {
             "progress": trainer.progress.state_dict(), "seed": trainer.config.seed or 0,
+            "lr_scale": trainer.lr_scaler.factor,  # the optimizer states' rates carry it
             # Per rank, like rng: each rank's running epoch means of self.log values.
             "metrics": strategy.all_gather_object(trainer.metrics.state_dict() if trainer.metrics is not None else {}),
         },
@@ -141,6 +143,13 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
             config.scheduler.load_state_dict(state)
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers ({err}).") from err
+    # A run resumed on another number of processes (or accumulation) scales its rates by its own factor.
+    saved_scale = float(checkpoint["loops"].get("lr_scale", trainer.lr_scaler.factor))
+    if saved_scale != trainer.lr_scaler.factor:
+        trainer.lr_scaler.rescale_restored(trainer.optimizers, trainer.lr_scheduler_configs, saved_scale)
+        if trainer.is_global_zero:
+            print(f"lr_scaling: the checkpoint's rates were scaled x{saved_scale:g}, this run's are x"
+                  f"{trainer.lr_scaler.factor:g}; rescaled the restored rates to match.")
     trainer.strategy.precision.load_state_dict(checkpoint.get("precision", {}))
     trainer.progress.load_state_dict(checkpoint["loops"]["progress"])
     saved = checkpoint.get("callbacks", {})

@@ -4,7 +4,7 @@ or restarted run picks up. The loop calls these in one line each.
 SIGTERM (what SLURM and Kubernetes send some seconds before SIGKILL)
     During fit each training process catches SIGTERM, and the handler only sets a flag (saving inside a
     handler could interrupt a collective or a file write half-way). At the next optimizer-step boundary
-    (the one after it when several ranks must agree, below), after that batch's validation if one is due,
+    (within a few when several ranks must agree, below), after that batch's validation if one is due,
     all ranks join the save of `last.ckpt` (in the ModelCheckpoint folder, else `<log_dir>/checkpoints/`)
     and fit raises `Terminated`: a SystemExit with code 143 (128 + SIGTERM, what a process killed by
     SIGTERM reports, so a scheduler counts the run as stopped, not as completed). `fit(ckpt_path="last")`
@@ -124,7 +124,8 @@ class StepGuard:
 
     def __exit__(self, *exc_info: Any) -> None:
         if self._pending is not None and exc_info[0] is None:
-            self.trainer.strategy.max_across_ranks_result(self._pending)  # every rank sent it: collect it, leave none open
+            # Every rank started it: collect it, so no collective is left open when the group goes.
+            self.trainer.strategy.max_across_ranks_result(self._pending)
         self._pending = None
         if self._installed:
             previous = self._previous_handler
@@ -146,7 +147,7 @@ class StepGuard:
         if not stepping:
             return False
         losses, self._losses = self._losses, []
-        local = _first_nonfinite(losses)
+        local = _first_nonfinite(losses) if losses else None
         if local is not None and self.mode == "error":
             # No agreement needed: the other ranks cannot save without this one, and the job stops.
             raise NonFiniteLossError(self._describe(*local))
@@ -175,7 +176,8 @@ class StepGuard:
         strategy = self.trainer.strategy
         if self.mode == "skip":
             # A skip must be agreed before this step is taken: one blocking 2-value all-reduce.
-            skip, stop = strategy.max_across_ranks_result(strategy.max_across_ranks_async([float(bad), float(self.signalled)]))
+            pending = strategy.max_across_ranks_async([float(bad), float(self.signalled)])
+            skip, stop = strategy.max_across_ranks_result(pending)
             return skip > 0, stop > 0
         self._countdown -= 1
         if self._countdown > 0:
@@ -224,8 +226,6 @@ class StepGuard:
 
 def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float] | None:
     """(batch_idx, value) of the window's first non-finite loss; one host read when all are finite."""
-    if not losses:
-        return None
     if len(losses) == 1 and losses[0][1].ndim == 0:
         # The usual window, one scalar loss: reading it is one host sync, like the check below, with
         # none of its kernel launches (they cost tens of microseconds a step on a CPU).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -140,10 +141,14 @@ def _epoch_batches(loader: DataLoader, start: int, num_batches: int | float) -> 
     accumulated gradients must be stepped on, and not leak into the next epoch).
     """
     if num_batches != math.inf:
-        # zip stops on the range first, so the loader is never asked for a batch past the limit.
-        for batch_idx, batch in zip(range(start, int(num_batches)), loader):
-            yield batch_idx, batch, batch_idx + 1 == num_batches
-        return
+        # zip stops on the range first, so the loader is never asked for a batch past the limit; built from
+        # iterators alone, with no Python frame of ours between the loader and each batch.
+        last = itertools.chain(itertools.repeat(False, int(num_batches) - start - 1), (True,))
+        return zip(range(start, int(num_batches)), loader, last)
+    return _unsized_epoch_batches(loader, start)
+
+
+def _unsized_epoch_batches(loader: DataLoader, start: int) -> Iterator[tuple[int, Any, bool]]:
     iterator = iter(loader)
     try:
         batch = next(iterator)

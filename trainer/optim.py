@@ -95,23 +95,26 @@ class LRScaler:
 
     def apply(self, optimizers: list[Optimizer], schedulers: list[SchedulerConfig]) -> None:
         """Multiply every group's rate (and the schedulers' base rates) by the factor, once."""
-        if self.factor == 1.0:
-            return
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] *= self.factor
-                if "initial_lr" in group:
-                    group["initial_lr"] *= self.factor
-        for config in schedulers:
-            if hasattr(config.scheduler, "base_lrs"):
-                config.scheduler.base_lrs = [lr * self.factor for lr in config.scheduler.base_lrs]
+        _multiply_rates(optimizers, schedulers, self.factor)
+
+    def rescale_restored(self, optimizers: list[Optimizer], schedulers: list[SchedulerConfig], saved_factor: float) -> None:
+        """Rates just restored from a checkpoint of a run scaled by `saved_factor` (another data-parallel
+        size or accumulation): bring them to this run's factor."""
+        _multiply_rates(optimizers, schedulers, self.factor / saved_factor)
+
+    def warmup_ratio(self, global_step: int) -> float:
+        """The fraction of the (scaled) rate in force at optimizer step `global_step`: below 1 while warming up."""
+        if self.factor == 1.0 or global_step >= self.warmup_steps:
+            return 1.0
+        return (1.0 + (self.factor - 1.0) * global_step / self.warmup_steps) / self.factor
 
     def step(self, optimizer: Optimizer, global_step: int, optimizer_step: Callable[[Optimizer], None]) -> None:
         """Run `optimizer_step(optimizer)`, at a lowered rate while warming up (restored afterwards)."""
-        if self.factor == 1.0 or global_step >= self.warmup_steps:
+        ratio = self.warmup_ratio(global_step)
+        if ratio == 1.0:
             optimizer_step(optimizer)  # every step after warm-up: no context to enter
             return
-        with self._lowered(optimizer, (1.0 + (self.factor - 1.0) * global_step / self.warmup_steps) / self.factor):
+        with self._lowered(optimizer, ratio):
             optimizer_step(optimizer)
 
     @staticmethod
@@ -128,9 +131,23 @@ class LRScaler:
                 group["lr"] = rate
 
 
-def current_lrs(optimizers: list[Optimizer]) -> dict[str, float]:
-    """'lr-<optimizer index>-<group index>' -> the rate in force."""
-    return {f"lr-{i}-{j}": float(group["lr"]) for i, opt in enumerate(optimizers) for j, group in enumerate(opt.param_groups)}
+def _multiply_rates(optimizers: list[Optimizer], schedulers: list[SchedulerConfig], ratio: float) -> None:
+    if ratio == 1.0:
+        return
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+    for config in schedulers:
+        if hasattr(config.scheduler, "base_lrs"):
+            config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
+
+
+def current_lrs(optimizers: list[Optimizer], ratio: float = 1.0) -> dict[str, float]:
+    """'lr-<optimizer index>-<group index>' -> the rate in force (times `ratio`, a warm-up's)."""
+    return {f"lr-{i}-{j}": float(group["lr"]) * ratio for i, opt in enumerate(optimizers)
+            for j, group in enumerate(opt.param_groups)}
 
 
 def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor]) -> None:

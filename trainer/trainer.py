@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from callbacks.base import Callback
-from trainer import faults, launcher
+from trainer import faults
 from trainer.checkpoint import build_checkpoint, restore_checkpoint
 from trainer.config import TrainerConfig, make_config, save_run_config
 from trainer.data import DataModule, as_loader_list
@@ -304,6 +304,9 @@ class Trainer:
         """Run here, or start the job's processes and adopt rank 0's result."""
         environment = self.strategy.detect_environment()
         if self.strategy.job_size > 1 and not environment.launched:
+            # Imported here: torch's elastic agent takes 150 ms to import, needed only to start processes.
+            from trainer import launcher
+
             outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
             self._adopt(module, outcome)
             return outcome["result"]

@@ -190,6 +190,21 @@ def test_resuming_a_ddp_run_lands_on_the_uninterrupted_weights(ddp_run, tmp_path
     assert_same_weights(resumed.state_dict(), module.state_dict(), atol=1e-7)
 
 
+class RateAtStart(Callback):
+    def on_train_start(self, trainer, module):
+        self.rates = [group["lr"] for group in trainer.optimizers[0].param_groups]
+
+
+def test_a_ddp_checkpoint_resumed_in_one_process_rescales_its_learning_rate(ddp_run, tmp_path, capsys):
+    _, trainer, _ = ddp_run
+    rate = RateAtStart()
+    # lr_scaling="linear" on 2 processes saved rates of 2 x BASE_LR; one process scales by 1.
+    Trainer(strategy="single", max_epochs=EPOCHS, seed=SEED, lr_scaling="linear", logger=False, callbacks=[rate],
+            enable_checkpointing=False, **QUIET).fit(Net(), *loaders(), ckpt_path=trainer.log_dir / "checkpoints" / "epoch=0.ckpt")
+    assert rate.rates == [BASE_LR]
+    assert "the checkpoint's rates were scaled x2, this run's are x1; rescaled" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- other launches
 
 
