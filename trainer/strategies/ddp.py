@@ -163,22 +163,18 @@ class DDPStrategy(Strategy):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ collectives
-    def _collective_device(self) -> torch.device:
-        return self.root_device if self.backend == "nccl" else torch.device("cpu")
-
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        device = self._collective_device()
+        device = distributed.collective_device(self.backend, self.root_device)
         return distributed.all_reduce(tensor.to(device), op).to(tensor.device)
 
     def max_across_ranks_async(self, values: list[float]) -> Any:
-        return distributed.max_across_ranks_async(values, self._collective_device())
+        return distributed.max_across_ranks_async(values, distributed.collective_device(self.backend, self.root_device))
 
     def max_across_ranks_result(self, pending: Any) -> list[float]:
         return distributed.max_across_ranks_result(pending)
 
     def barrier(self, name: str | None = None) -> None:
-        device_ids = [self.root_device.index] if self.backend == "nccl" else None
-        distributed.barrier(device_ids=device_ids)
+        distributed.barrier(self.backend, self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return distributed.broadcast_object(obj, src)

@@ -27,6 +27,11 @@ def resolve_backend(backend: str | None, device_type: str, owner: str) -> str:
     return backend
 
 
+def collective_device(backend: str, root_device: torch.device) -> torch.device:
+    """Where a collective's tensors must be: the rank's GPU for nccl, the host for gloo."""
+    return root_device if backend == "nccl" else torch.device("cpu")
+
+
 def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s: float) -> None:
     """Join the job's default process group; a clear error for a busy port or a master out of reach."""
     if not dist.is_available():
@@ -115,9 +120,9 @@ def max_across_ranks_result(pending: tuple[Any, torch.Tensor]) -> list[float]:
     return tensor.tolist()
 
 
-def barrier(group: Any = None, device_ids: list[int] | None = None) -> None:
+def barrier(backend: str, root_device: torch.device, group: Any = None) -> None:
     """Wait for every rank of `group`; NCCL wants the rank's CUDA device named."""
-    dist.barrier(group=group, device_ids=device_ids)
+    dist.barrier(group=group, device_ids=[root_device.index] if backend == "nccl" else None)
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:

@@ -384,20 +384,20 @@ class PipelineStrategy(Strategy):
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce over every rank. Every stage of a replica holds the same logged values, so mean, max and
         min are those over replicas, and a sum is divided by the stages to count each replica once."""
-        device = self.root_device if self.backend == "nccl" else torch.device("cpu")
+        device = distributed.collective_device(self.backend, self.root_device)
         result = distributed.all_reduce(tensor.to(device), "sum" if op == "sum" else op)
         if op == "sum":
             result = result / self.stages
         return result.to(tensor.device)
 
     def max_across_ranks_async(self, values: list[float]) -> Any:
-        return distributed.max_across_ranks_async(values, self.root_device if self.backend == "nccl" else torch.device("cpu"))
+        return distributed.max_across_ranks_async(values, distributed.collective_device(self.backend, self.root_device))
 
     def max_across_ranks_result(self, pending: Any) -> list[float]:
         return distributed.max_across_ranks_result(pending)
 
     def barrier(self, name: str | None = None) -> None:
-        distributed.barrier(device_ids=[self.root_device.index] if self.backend == "nccl" else None)
+        distributed.barrier(self.backend, self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return distributed.broadcast_object(obj, src=src)

@@ -336,11 +336,11 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ collectives (the workers' group)
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        device = self.root_device if self.backend == "nccl" else torch.device("cpu")
+        device = distributed.collective_device(self.backend, self.root_device)
         return distributed.all_reduce(tensor.to(device), op).to(tensor.device)
 
     def barrier(self, name: str | None = None) -> None:
-        distributed.barrier(device_ids=[self.root_device.index] if self.backend == "nccl" else None)
+        distributed.barrier(self.backend, self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return distributed.broadcast_object(obj, src)
