@@ -5,9 +5,8 @@ same number of optimizer steps, save a checkpoint at every epoch end (written to
 fsynced and renamed, the guarantee our checkpoint format gives) and record the loss every 50 steps
 (the hand loop into a CSV file, with `.item()`). The Trainer runs on its defaults: rich progress bar,
 model summary, ModelCheckpoint, CSV logger, and the module calls `self.log("loss", loss, prog_bar=True)`
-every step. Note the default ModelCheckpoint writes two files per epoch (`epoch=N-step=M.ckpt` and
-`last.ckpt`, a deliberate redundancy: a resume falls back on the other when one is corrupt), so the
-Trainer's epoch boundary costs one more checkpoint write than the hand loop's.
+every step. The default ModelCheckpoint writes one file per epoch (`epoch=N-step=M.ckpt`) and gives it
+a second name, `last.ckpt` (a hard link), so both sides write one checkpoint per epoch.
 
 Method: timestamps are taken at the end of every training batch: by a callback's
 `on_train_batch_end` for the Trainer (it runs before the built-in callbacks' own batch-end work, which
@@ -25,14 +24,16 @@ to read. One-off setup (strategy, loaders, model summary; whole `fit` minus the 
 time) is printed separately. Runs alternate hand/Trainer several times so that drifts in machine speed
 hit both; the medians over runs are compared.
 
-Paired steps: on a busy machine the speed drifts within a run too, so a last measurement interleaves
-step by step: a callback runs one hand-written step (its own model copy, loader and optimizer) inside
-each Trainer `on_train_batch_end` and times it; the Trainer's step is the interval from the end of
-one embedded hand step to the start of the next. Both are timed at the same moments, so their ratio
-of medians is the steadiest figure for the steady per-step overhead (epoch boundaries excluded). The
-method has a bias of its own, so it is also run with a hand-written loop in the Trainer's place (an A/A
-run: the same step on both sides, measured the same way); the Trainer's paired ratio divided by the A/A
-ratio is the overhead with that bias removed.
+Interleaved blocks (the steady figure): on a shared machine the speed drifts by tens of percent within
+a second, so runs a second apart are not comparable. So a last measurement interleaves in blocks: a
+callback runs `--block` hand-written steps (its own model copy, loader and optimizer) after every
+`--block` Trainer steps. Within a block each side runs in its own steady state, with its own code and
+data in the caches; the first step after a switch is left out on both sides. The medians of the two
+sides' steps give the steady ratio, and adding each side's epoch boundary (from the separate runs) gives
+the per-step ratio that the target is about. The method has a bias of its own, so it is also run with a
+hand-written loop in the Trainer's place (an A/A run: the same step on both sides, measured the same
+way); it is printed, and the ratio divided by it is shown too. `--block 1` pairs single steps (the
+caches then hold the other side's code at every step, the least favourable case for the Trainer).
 
 Framework floor: the same comparison with a step that does almost nothing (one scalar weight), many
 short runs, the minimum over runs of each side's median step: the per-step cost the Trainer adds in
@@ -43,7 +44,7 @@ measured is the framework's Python work, not the kernels.
 
 Also prints the wall time of `python -c "import trainer"` next to `python -c "import torch"`.
 
-Run: python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--threads 1] [--floor-runs 15]
+Run: python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--block 20] [--threads 1] [--floor-runs 15]
 """
 
 from __future__ import annotations
@@ -195,67 +196,83 @@ def with_trainer(data: TensorDataset, epochs: int, folder: Path) -> Timing:
     return Timing(clock.start, clock.epochs, clock.end, time.perf_counter() - begin)
 
 
-class PairedHandStep(Callback):
-    """Runs and times one hand-written step right after each Trainer step (see "Paired steps" above)."""
+class InterleavedHandSteps(Callback):
+    """After every `block` Trainer steps, runs and times `block` hand-written steps (see "Interleaved blocks")."""
 
-    def __init__(self, data: TensorDataset) -> None:
+    def __init__(self, data: TensorDataset, block: int) -> None:
         torch.manual_seed(0)
         self.net = build_net()
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
         self.loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+        self.batches = iter(self.loader)
+        self.block, self.count, self.hand_steps = block, 0, 0
         self.hand: list[tuple[float, float]] = []
         self.trainer: list[tuple[float, float]] = []
+        self.previous: tuple[float, float] | None = None
 
     def on_train_epoch_start(self, trainer, module):
-        self.batches, self.previous_end, self.steps = iter(self.loader), None, 0
+        self.previous = None  # the epoch boundary is not a steady step
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        start = now()
-        if self.previous_end is not None:
-            self.trainer.append((start[0] - self.previous_end[0], start[1] - self.previous_end[1]))
-        x, y = next(self.batches)
-        loss = F.cross_entropy(self.net(x), y)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        if self.steps % LOG_EVERY == 0:
-            loss.item()
-        self.previous_end = now()
-        self.hand.append((self.previous_end[0] - start[0], self.previous_end[1] - start[1]))
+        stamp = now()
+        if self.previous is not None:
+            self.trainer.append((stamp[0] - self.previous[0], stamp[1] - self.previous[1]))
+        self.previous, self.count = stamp, self.count + 1
+        if self.count % self.block:
+            return
+        for step in range(self.block):
+            batch = next(self.batches, None)
+            if batch is None:
+                self.batches = iter(self.loader)
+                batch = next(self.batches)
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.hand_steps += 1
+            if self.hand_steps % LOG_EVERY == 0:
+                loss.item()
+            end = now()
+            if step > 0 or self.block == 1:  # a block's first step starts after the other side's code
+                self.hand.append((end[0] - stamp[0], end[1] - stamp[1]))
+            stamp = end
+        # The Trainer's next step starts after the hand-written code: counted only when pairing single steps.
+        self.previous = stamp if self.block == 1 else None
+
+    def ratios(self) -> tuple[float, ...]:
+        return tuple(statistics.median(t[clock] for t in self.trainer) / statistics.median(h[clock] for h in self.hand)
+                     for clock in range(len(CLOCKS)))
 
 
-def paired_steps(data: TensorDataset, epochs: int, folder: Path) -> None:
-    paired = PairedHandStep(data)
-    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[paired], accelerator="cpu",
+def interleaved_blocks(data: TensorDataset, epochs: int, block: int, folder: Path) -> InterleavedHandSteps:
+    interleaved = InterleavedHandSteps(data, block)
+    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[interleaved], accelerator="cpu",
                       log_every_n_steps=LOG_EVERY)
     trainer.fit(MLP(), DataLoader(data, batch_size=BATCH, shuffle=True))
-    bias = paired_hand_steps(data, epochs)  # the same measurement with a hand-written loop outside
-    for clock, name in enumerate(CLOCKS):
-        hand = statistics.median(step[clock] for step in paired.hand) * 1e3
-        ours = statistics.median(step[clock] for step in paired.trainer) * 1e3
-        print(f"paired steps {name:>4}: hand-written {hand:.4f} ms, Trainer {ours:.4f} ms, ratio {ours / hand:.3f} "
-              f"({len(paired.trainer)} pairs); A/A ratio {bias[clock]:.3f}; ratio without the method's bias "
-              f"{ours / hand / bias[clock]:.3f}")
+    return interleaved
 
 
-def paired_hand_steps(data: TensorDataset, epochs: int) -> tuple[float, ...]:
-    """The paired measurement with a hand-written loop in the Trainer's place: its ratio is the method's bias."""
-    paired = PairedHandStep(data)
+def interleaved_hand_blocks(data: TensorDataset, epochs: int, block: int) -> InterleavedHandSteps:
+    """The interleaved measurement with a hand-written loop in the Trainer's place: its ratio is the method's bias."""
+    interleaved = InterleavedHandSteps(data, block)
     torch.manual_seed(0)
     net = build_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    steps = 0
     for _ in range(epochs):
-        paired.on_train_epoch_start(None, None)
+        interleaved.on_train_epoch_start(None, None)
         for batch_idx, (x, y) in enumerate(loader):
             loss = F.cross_entropy(net(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            paired.on_train_batch_end(None, None, loss, (x, y), batch_idx)
-    return tuple(statistics.median(t[clock] for t in paired.trainer) / statistics.median(h[clock] for h in paired.hand)
-                 for clock in range(len(CLOCKS)))
+            steps += 1
+            if steps % LOG_EVERY == 0:
+                loss.item()
+            interleaved.on_train_batch_end(None, None, loss, (x, y), batch_idx)
+    return interleaved
 
 
 class NoOp(TrainModule):
@@ -306,6 +323,33 @@ def import_seconds(module: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+def epoch_extra_per_step(runs: list[Timing], clock: int, steps_per_epoch: int) -> float:
+    """An epoch boundary's extra time (median over runs), spread over the epoch's steps."""
+    return statistics.median(run.epoch_extra(clock) for run in runs) / steps_per_epoch
+
+
+def report_blocks(block: int, trainer_runs: list[InterleavedHandSteps], aa_runs: list[InterleavedHandSteps],
+                  separate: dict[str, list[Timing]], steps_per_epoch: int) -> None:
+    """The interleaved figures: steady steps side by side, then per step with each side's epoch boundary."""
+    print(f"interleaved blocks of {block} step(s), {len(trainer_runs)} runs (first step after each switch left out):")
+    for clock, name in enumerate(CLOCKS):
+        hand_epoch = epoch_extra_per_step(separate["hand-written"], clock, steps_per_epoch)
+        our_epoch = epoch_extra_per_step(separate["Trainer"], clock, steps_per_epoch)
+        steady, per_step = [], []
+        for run in trainer_runs:  # ratios within a run: its two sides ran at the same moments
+            hand = statistics.median(h[clock] for h in run.hand)
+            ours = statistics.median(t[clock] for t in run.trainer)
+            steady.append(ours / hand)
+            per_step.append((ours + our_epoch) / (hand + hand_epoch))
+        bias = statistics.median(run.ratios()[clock] for run in aa_runs)
+        print(f"  {name:>4}: steady step ratio {statistics.median(steady):.3f} (runs {min(steady):.3f}..{max(steady):.3f}); "
+              f"epoch boundary +{hand_epoch * 1e6:.1f} us per step hand-written, +{our_epoch * 1e6:.1f} us Trainer; "
+              f"A/A ratio {bias:.3f}")
+        ratio = statistics.median(per_step)
+        print(f"  {name:>4}: ratio Trainer / hand-written per step: {ratio:.3f} (runs {min(per_step):.3f}..{max(per_step):.3f};"
+              f" target <= 1.03); without the method's bias {ratio / bias:.3f}")
+
+
 def report(name: str, runs: list[Timing], clock: int) -> float:
     per_step = [run.per_step(clock) * 1e3 for run in runs]
     steady = statistics.median(run.steady_step(clock) * 1e3 for run in runs)
@@ -321,6 +365,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-epoch", type=int, default=400)
+    parser.add_argument("--block", type=int, default=20)
+    parser.add_argument("--block-repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--import-repeats", type=int, default=5)
     parser.add_argument("--floor-runs", type=int, default=15)
@@ -343,7 +389,11 @@ def main() -> None:
         print(f"ratio Trainer / hand-written per step ({name} time): {trainer / hand:.3f} (target <= 1.03)")
 
     with tempfile.TemporaryDirectory() as tmp:
-        paired_steps(data, args.epochs, Path(tmp))
+        blocks, aa = [], []
+        for repeat in range(args.block_repeats):
+            blocks.append(interleaved_blocks(data, args.epochs, args.block, Path(tmp) / f"blocks{repeat}"))
+            aa.append(interleaved_hand_blocks(data, args.epochs, args.block))
+        report_blocks(args.block, blocks, aa, runs, args.steps_per_epoch)
         framework_floor(args.floor_runs, 300, Path(tmp))
 
     torch_import = import_seconds("torch", args.import_repeats)

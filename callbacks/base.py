@@ -52,6 +52,11 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
 
+    def uses_hook(self, hook: str) -> bool:
+        """Whether this instance needs `hook`, which its class overrides. Asked once per run: a callback whose
+        settings leave a per-step hook with nothing to do answers False, and the step does not call it."""
+        return True
+
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None: ...
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None: ...
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None: ...

@@ -26,10 +26,12 @@ class ModelCheckpoint(Callback):
 
     Saves happen at the end of every `every_n_epochs`-th training epoch (after that epoch's validation),
     after mid-epoch validations (`val_check_interval` < 1), or every `every_n_train_steps` optimizer steps;
-    never twice for one global step and never while sanity checking. `filename` is a template holding
-    `{epoch}`, `{step}` and logged metrics with optional format specs: `"{epoch}-{val/acc:.4f}"` gives
-    `epoch=3-val_acc=0.9123.ckpt` ('/' becomes '_'; `name=` is inserted unless auto_insert_metric_name=False).
-    A name already taken gets `-v1`, `-v2`, ... A non-finite monitored value is never saved as a top-k one.
+    never twice for one global step and never while sanity checking. `save_last` also keeps `last.ckpt`:
+    when a top-k file was written at the same step it is a second name for that file (a hard link).
+    `filename` is a template holding `{epoch}`, `{step}` and logged metrics with optional format specs:
+    `"{epoch}-{val/acc:.4f}"` gives `epoch=3-val_acc=0.9123.ckpt` ('/' becomes '_'; `name=` is inserted
+    unless auto_insert_metric_name=False). A name already taken gets `-v1`, `-v2`, ... A non-finite
+    monitored value is never saved as a top-k one.
     """
 
     CHECKPOINT_NAME_LAST = "last"
@@ -87,6 +89,9 @@ class ModelCheckpoint(Callback):
         # A resumed run's checkpoint already holds this step.
         self._last_global_step_saved = trainer.global_step
 
+    def uses_hook(self, hook: str) -> bool:
+        return hook != "on_train_batch_end" or bool(self.every_n_train_steps)
+
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         n = self.every_n_train_steps
         if n and trainer.global_step % n == 0:
@@ -117,10 +122,18 @@ class ModelCheckpoint(Callback):
             return
         self._last_global_step_saved = step
         values = self._candidates(trainer, at_epoch_end)
-        if top_k and self.save_top_k != 0:
-            self._save_top_k(trainer, values)
+        previous_last = self.last_model_path
         if self.save_last:
-            self._save_last(trainer, values)
+            # Named before the top-k file is written, so that file's copy of this callback's state names it too.
+            self.last_model_path = self._free_path(trainer, self.CHECKPOINT_NAME_LAST, values, reusable=previous_last)
+        written = self._save_top_k(trainer, values) if top_k and self.save_top_k != 0 else None
+        if self.save_last:
+            if written is not None:  # the same state: a second name for that file, not a second write
+                trainer.strategy.link_checkpoint(written, self.last_model_path)
+            else:
+                trainer.save_checkpoint(self.last_model_path)
+            if previous_last and previous_last != self.last_model_path:
+                trainer.strategy.remove_checkpoint(previous_last)
 
     def _candidates(self, trainer: Trainer, at_epoch_end: bool) -> dict[str, Any]:
         """epoch, step and the logged values the monitor and the filename need, as rank 0 sees them."""
@@ -146,23 +159,24 @@ class ModelCheckpoint(Callback):
             self._warned_missing = True
             warnings.warn(message + " Skipping top-k saving until it appears.", stacklevel=2)
 
-    def _save_top_k(self, trainer: Trainer, values: dict[str, Any]) -> None:
+    def _save_top_k(self, trainer: Trainer, values: dict[str, Any]) -> str | None:
+        """Save a checkpoint if it makes the top k; the path written, if any."""
         if self.monitor is None:
             score = float(values["step"])  # without a monitor the newest checkpoints are the best ones
         elif self.monitor not in values:
-            return
+            return None
         else:
             score = values[self.monitor]
             self.current_score = torch.tensor(score, dtype=torch.float64)
             if not math.isfinite(score):
                 self._say(trainer, values, f"{self.monitor!r} is {score}, which is never kept as a top-k checkpoint")
-                return
+                return None
         k = self.save_top_k
         full = k != -1 and len(self.best_k_models) >= k
         if full and not self._better(score, float(self.best_k_models[self.kth_best_model_path])):
             if self.monitor is not None:
                 self._say(trainer, values, f"{self.monitor!r} = {score:.5g} was not in the top {k}")
-            return
+            return None
         path = self._free_path(trainer, self.filename, values, reusable=self.kth_best_model_path if full else "")
         self.best_k_models[path] = torch.tensor(score, dtype=torch.float64)
         evicted = []
@@ -176,13 +190,7 @@ class ModelCheckpoint(Callback):
         trainer.save_checkpoint(path)  # the bookkeeping above is part of this checkpoint
         for old in evicted:
             trainer.strategy.remove_checkpoint(old)
-
-    def _save_last(self, trainer: Trainer, values: dict[str, Any]) -> None:
-        previous = self.last_model_path
-        self.last_model_path = self._free_path(trainer, self.CHECKPOINT_NAME_LAST, values, reusable=previous)
-        trainer.save_checkpoint(self.last_model_path)
-        if previous and previous != self.last_model_path:
-            trainer.strategy.remove_checkpoint(previous)
+        return path
 
     def _free_path(self, trainer: Trainer, template: str, values: dict[str, Any], reusable: str) -> str:
         """`<dirpath>/<name>.ckpt`, or `<name>-v1.ckpt`, ... when the name is taken (by us or by another file)."""

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from callbacks.base import Callback
-from trainer.data import batch_size_of
+from trainer.data import samples_in_batches
 from trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
@@ -107,10 +107,15 @@ class ModelSummary(Callback):
 
     # ------------------------------------------------------------------ during training: count samples
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
-        self._train_start, self._batches_samples = time.perf_counter(), 0
+        self._train_start, self._train_samples = time.perf_counter(), 0
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._batches_samples += batch_size_of(batch)
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._first_batch = trainer.progress.epoch_batches  # a resumed epoch starts mid-way
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        # Counted per epoch from the loader's batch size, not per batch: nothing of ours runs between steps.
+        samples = samples_in_batches(trainer.train_dataloader, self._first_batch, trainer.progress.epoch_batches)
+        self._train_samples = None if samples is None or self._train_samples is None else self._train_samples + samples
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
         self._train_end = time.perf_counter()
@@ -120,9 +125,9 @@ class ModelSummary(Callback):
         if not trainer.is_global_zero:
             return
         train_seconds = max(self._train_end - self._train_start, 1e-9)
-        samples = self._batches_samples * trainer.strategy.data_parallel_size
-        summary: dict[str, Any] = {"fit wall time (s)": time.perf_counter() - self._fit_start,
-                                   "train samples": samples, "train samples/s": samples / train_seconds}
+        samples = self._train_samples * trainer.strategy.data_parallel_size if self._train_samples is not None else None
+        summary: dict[str, Any] = {"fit wall time (s)": time.perf_counter() - self._fit_start, "train samples": samples,
+                                   "train samples/s": samples / train_seconds if samples is not None else None}
         for callback in trainer.checkpoint_callbacks:
             monitor = getattr(callback, "monitor", None)
             if monitor is not None:

@@ -163,6 +163,28 @@ def test_without_monitor_the_latest_k_are_kept(tmp_path):
     assert checkpoint.best_model_score is None
 
 
+def test_last_ckpt_is_a_second_name_for_the_checkpoint_of_the_same_step(tmp_path):
+    # The Trainer's default keeps the newest epoch file and last.ckpt.
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    module = Scripted()
+    make_trainer(tmp_path, [checkpoint], max_epochs=1).fit(module, *loaders())
+    last, newest = Path(checkpoint.last_model_path), Path(checkpoint.best_model_path)
+    assert checkpoint_names(tmp_path / "ckpts") == {"epoch=0-step=4.ckpt", "last.ckpt"}
+    assert newest.samefile(last)  # one write at the epoch's end, not two
+    saved = load(last)
+    assert saved["loops"]["progress"]["global_step"] == 4
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(saved["state_dict"][name], tensor)
+    # The file's copy of the callback state already names last.ckpt, so a resume keeps writing there.
+    assert saved["callbacks"][checkpoint.state_key]["last_model_path"] == str(last)
+
+    resumed = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    make_trainer(tmp_path, [resumed], max_epochs=2).fit(Scripted(), *loaders(), ckpt_path=str(last))
+    assert checkpoint_names(tmp_path / "ckpts") == {"epoch=1-step=8.ckpt", "last.ckpt"}
+    assert Path(resumed.best_model_path).samefile(resumed.last_model_path) and resumed.last_model_path == str(last)
+    assert load(last)["loops"]["progress"]["global_step"] == 8
+
+
 def test_name_collisions_get_version_suffixes(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="fixed", save_top_k=-1)
     make_trainer(tmp_path, [checkpoint], max_epochs=3).fit(Scripted(), *loaders())

@@ -125,18 +125,18 @@ def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(single_run,
 
 
 @pytest.mark.timeout(180)
-def test_a_kill_while_last_ckpt_is_written_leaves_the_previous_one_intact(single_run, tmp_path):
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one_intact(single_run, tmp_path):
     proc = start_script(tmp_path, "single", "--slow-write-at", "6")
     wait_for(tmp_path / "marker", proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # half of the new last.ckpt is on disk, in its temporary file
+    os.killpg(proc.pid, signal.SIGKILL)  # half of step 6's checkpoint is on disk, in its temporary file
     finish(proc)
     folder = run_folder(tmp_path) / "checkpoints"
-    with pytest.raises(CheckpointError, match=r"last\.ckpt\.tmp.*truncated or corrupt"):
-        load_checkpoint_file(folder / "last.ckpt.tmp")
+    with pytest.raises(CheckpointError, match=r"epoch=0-step=6\.ckpt\.tmp.*truncated or corrupt"):
+        load_checkpoint_file(folder / "epoch=0-step=6.ckpt.tmp")
+    assert not (folder / "epoch=0-step=6.ckpt").exists()
     assert saved_step(folder / "last.ckpt") == 3  # the previous one, whole
-    # The newest good checkpoint (step 6, written just before last.ckpt) carries the run on.
     resumed = fit(tmp_path, "single", ckpt_path="last")
-    assert starts(tmp_path) == ["0 0", "0 6"]
+    assert starts(tmp_path) == ["0 0", "0 3"]
     assert_same_weights(resumed.state_dict(), single_run[0])
 
 

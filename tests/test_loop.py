@@ -9,6 +9,7 @@ because `loss / 3` and `loss * (1 / 3)` round differently.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from trainer import Trainer, TrainModule
+from trainer.data import prepare_loader, samples_in_batches
 
 SEED = 7
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -240,3 +242,17 @@ def test_lr_scaling_with_warmup_matches_hand_written_loop():
                 step += 1
     assert_same_weights(module, expected)
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == 0.03 * 2.0  # exactly: no drift from warm-up
+
+
+@pytest.mark.parametrize(("batch_size", "drop_last", "start", "end", "expected"),
+                         [(4, False, 0, 3, 10), (4, False, 1, 3, 6), (4, False, 2, 3, 2), (4, True, 0, 2, 8), (3, False, 0, 2, 6)])
+def test_samples_in_batches_counts_the_short_last_batch(batch_size, drop_last, start, end, expected):
+    loader = prepare_loader(DataLoader(regression_data(10), batch_size=batch_size, shuffle=True, drop_last=drop_last),
+                            train=True)
+    assert samples_in_batches(loader, start, end) == expected
+    assert expected == sum(len(batch[0]) for batch in itertools.islice(loader, start, end))
+
+
+def test_samples_in_batches_is_unknown_for_a_custom_batch_sampler():
+    loader = DataLoader(regression_data(10), batch_sampler=[[0, 1], [2, 3, 4]])
+    assert samples_in_batches(loader, 0, 2) is None

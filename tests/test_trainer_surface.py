@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks import Callback
+from callbacks import Callback, ModelCheckpoint
 from trainer import DataModule, Trainer, TrainModule
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
@@ -238,6 +239,19 @@ def test_callback_hook_order_matches_the_documented_loop():
         *VALIDATION,
         "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown",
     ]
+
+
+def test_a_step_calls_only_the_hooks_in_use():
+    trainer = Trainer(max_epochs=1, callbacks=[ModelCheckpoint()], **{**QUIET, "enable_checkpointing": True})
+    trainer.fit(Counting(), loader())
+    # ModelCheckpoint overrides on_train_batch_end, but saves at epoch ends only: it is not called per batch.
+    assert [trainer.hook(f"on_{name}") for name in ("train_batch_start", "after_backward", "train_batch_end")] == [None] * 3
+    every_step = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
+    recorder = Recorder()
+    trainer = Trainer(max_epochs=1, callbacks=[every_step, recorder], **{**QUIET, "enable_checkpointing": True})
+    trainer.fit(Counting(), loader())
+    assert recorder.calls.count("on_train_batch_end") == 5
+    assert {Path(p).name for p in every_step.best_k_models} == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"}
 
 
 class FailingStep(Counting):

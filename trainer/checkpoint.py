@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,23 @@ def save_checkpoint_file(checkpoint: Any, path: str | Path) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)  # make the rename itself durable
+    return path
+
+
+def link_checkpoint_file(source: str | Path, path: str | Path) -> Path:
+    """Give the file `source` the name `path` as well, atomically: a hard link (no second write; files are only
+    ever replaced, never changed in place, so the two names cannot diverge), or a copy where links fail."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(source, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
     return path
 
 

@@ -115,6 +115,20 @@ def batch_size_of(batch: Any) -> int:
     return 1
 
 
+def samples_in_batches(loader: DataLoader, start: int, end: int) -> int | None:
+    """How many samples batches [start, end) of one pass over `loader` hold, worked out from its batch size and
+    sampler length (so nobody measures batches); None when those are unknown (a custom or unsized sampler)."""
+    batch_sampler = loader.batch_sampler
+    batch_size, sampler = getattr(batch_sampler, "batch_size", None), getattr(batch_sampler, "sampler", None)
+    try:
+        available = len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if not isinstance(batch_size, int):
+        return None
+    return min(end * batch_size, available) - min(start * batch_size, available)
+
+
 class WorkerInit:
     """A loader worker's start: ignore SIGTERM, then run the user's worker_init_fn.
 

@@ -109,6 +109,7 @@ class StepGuard:
         self._stop: bool | None = None  # what the ranks agreed at this batch's step boundary, until acted on
         strategy = trainer.strategy
         self._agree = strategy.world_size > 1 and strategy.steps_in_lockstep  # ranks must act at the same step
+        self._local_check = self.mode == "error" and not self._agree  # a bad loss raises here, nothing to agree
         self._pending: Any = None  # the SIGTERM exchange started at the last exchange boundary
         self._countdown = 0  # step boundaries until the next exchange (agreed, so the same on every rank)
         self._interval = 1  # step boundaries from the last exchange to the next
@@ -140,10 +141,18 @@ class StepGuard:
 
         True when the optimizer should step now; False on an accumulating micro-batch or a skipped step.
         """
+        if stepping and self._local_check and type(output) is torch.Tensor and not self._losses:
+            # The usual step (one process, no accumulation window, a loss tensor): the check is one host read.
+            value = output.item()
+            if math.isfinite(value):
+                self._stop = self.signalled
+                return True
+            raise NonFiniteLossError(self._describe(batch_idx, value))
         if self.mode != "ignore":
             loss = output.get("loss") if isinstance(output, dict) else output
             if isinstance(loss, torch.Tensor):
-                self._losses.append((batch_idx, loss.detach()))
+                # Kept past its micro-batch only in an accumulation window: detached there, so its graph goes.
+                self._losses.append((batch_idx, loss if stepping else loss.detach()))
         if not stepping:
             return False
         losses, self._losses = self._losses, []
@@ -151,7 +160,10 @@ class StepGuard:
         if local is not None and self.mode == "error":
             # No agreement needed: the other ranks cannot save without this one, and the job stops.
             raise NonFiniteLossError(self._describe(*local))
-        bad, self._stop = self._settle(local is not None)
+        if self._agree:
+            bad, self._stop = self._settle(local is not None)
+        else:
+            bad, self._stop = local is not None, self.signalled
         if not bad:
             return True
         for optimizer in self.trainer.optimizers:
@@ -236,7 +248,7 @@ def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float
         return None
     for batch_idx, loss in losses:
         if not bool(torch.isfinite(loss).all()):
-            return batch_idx, float(loss.float().flatten()[~torch.isfinite(loss.flatten())][0])
+            return batch_idx, loss.float().flatten()[~torch.isfinite(loss.flatten())][0].item()
     return None
 
 

@@ -39,8 +39,6 @@ def _batch_value(metric: Metric) -> torch.Tensor:
 
 def _to_tensor(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        if value.ndim == 0:  # the usual case, checked first: self.log runs on every step
-            return value.detach()
         if value.numel() != 1:
             raise MisconfigurationError(f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars.")
         return value.detach().reshape(())
@@ -62,8 +60,9 @@ class _Entry:
     metric: Metric | None = None
     total: torch.Tensor | None = None
     weight: float = 0.0
-    step_value: torch.Tensor | None = None
     updated: bool = False  # logged since the last epoch aggregation
+    step_key: str = ""  # the names it is written under (set by MetricCollector._add)
+    epoch_key: str = ""
 
 
 class MetricCollector:
@@ -72,29 +71,41 @@ class MetricCollector:
     def __init__(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
         self._reduce = reduce
         self._entries: dict[str, _Entry] = {}
+        # This step's on_step values, filled by `log` itself so that taking them costs nothing per entry.
+        self._step_for_logger: dict[str, torch.Tensor] = {}
+        self._step_for_bar: dict[str, torch.Tensor] = {}
         self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
         self.in_step = True  # False inside epoch-end hooks, where defaults switch to on_epoch
         self.stage = "train"
 
-    def log(self, name: str, value: Any, *, prog_bar: bool, logger: bool, on_step: bool | None,
-            on_epoch: bool | None, reduce_fx: str, sync_dist: bool, batch_size: int | None) -> None:
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
+            batch_size: int | None = None) -> None:
         """Record one value; defaults follow Lightning (train steps: on_step; eval and epoch hooks: on_epoch)."""
         if reduce_fx not in REDUCE_FXS:
             raise MisconfigurationError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
-        step_default = self.stage == "train" and self.in_step
+        step_default = self.in_step and self.stage == "train"
         on_step = step_default if on_step is None else on_step
         on_epoch = (not step_default) if on_epoch is None else on_epoch
         entry = self._entries.get(name)
         if entry is None:
-            entry = self._entries[name] = _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+            entry = self._add(name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist))
         entry.updated = True
-        if not isinstance(value, torch.Tensor) and _is_metric(value):
-            entry.metric = value
-            entry.step_value = _batch_value(value).detach() if on_step else None
-            return
-        tensor = _to_tensor(name, value)
+        if type(value) is torch.Tensor and value.ndim == 0:  # the usual value, checked first: this runs every step
+            # `.data` is `.detach()` (the same storage, no graph) without a trip through the dispatcher; it is only
+            # read. A tensor outside autograd is kept as it is, as detach would share its storage anyway.
+            tensor = value.data if value.requires_grad else value
+        elif not isinstance(value, torch.Tensor) and _is_metric(value):
+            # A Metric keeps its own epoch state and syncs it in compute(); only its batch value is taken here.
+            entry.metric, tensor, sync_dist, on_epoch = value, _batch_value(value).detach() if on_step else None, False, False
+        else:
+            tensor = _to_tensor(name, value)
         if on_step:
-            entry.step_value = self._reduce(tensor, reduce_fx) if sync_dist else tensor
+            step_value = self._reduce(tensor, reduce_fx) if sync_dist else tensor
+            if entry.logger:
+                self._step_for_logger[entry.step_key] = step_value
+            if entry.prog_bar:
+                self._step_for_bar[name] = step_value
         if on_epoch:
             weight = float(batch_size or batch_size_of(self.batch))
             if entry.total is None:
@@ -107,21 +118,19 @@ class MetricCollector:
                 entry.total = torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
             entry.weight += weight
 
-    def _name(self, name: str, entry: _Entry, suffix: str) -> str:
-        return f"{name}_{suffix}" if entry.on_step and entry.on_epoch else name
+    def _add(self, name: str, entry: _Entry) -> _Entry:
+        both = entry.on_step and entry.on_epoch  # then the two values are told apart by a suffix
+        entry.step_key, entry.epoch_key = (f"{name}_step", f"{name}_epoch") if both else (name, name)
+        self._entries[name] = entry
+        return entry
 
     def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(values for loggers, values for the progress bar) logged in the current step, which they leave."""
-        for_logger, for_bar = {}, {}
-        for name, entry in self._entries.items():
-            value = entry.step_value
-            if value is None:
-                continue
-            entry.step_value = None
-            if entry.logger:
-                for_logger[self._name(name, entry, "step")] = value
-            if entry.prog_bar:
-                for_bar[name] = value
+        for_logger, for_bar = self._step_for_logger, self._step_for_bar
+        if for_logger:
+            self._step_for_logger = {}
+        if for_bar:
+            self._step_for_bar = {}
         return for_logger, for_bar
 
     def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -138,9 +147,8 @@ class MetricCollector:
                 value = self._epoch_tensor(entry)
             else:
                 continue
-            key = self._name(name, entry, "epoch")
             if entry.logger:
-                for_logger[key] = value
+                for_logger[entry.epoch_key] = value
             if entry.prog_bar:
                 for_bar[name] = value
             entry.total, entry.weight = None, 0.0
@@ -170,7 +178,7 @@ class MetricCollector:
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         for name, saved in state.items():
-            self._entries[name] = _Entry(**{key: saved[key] for key in self._SAVED_FIELDS})
+            self._add(name, _Entry(**{key: saved[key] for key in self._SAVED_FIELDS}))
 
     def reset(self) -> None:
         for entry in self._entries.values():

@@ -15,6 +15,7 @@ from trainer.data import set_epoch, skip_batches
 from trainer.errors import MisconfigurationError
 from trainer.faults import StepGuard
 from trainer.optim import step_scheduler
+from trainer.step import TrainStep
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -64,11 +65,13 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     """Epochs of training with validation at the configured points."""
     config, progress, module = trainer.config, trainer.progress, trainer.module
     guard = guard or StepGuard(trainer)
+    train_step = TrainStep(trainer, guard)
     num_batches = batch_limit(train_loader, config.limit_train_batches)
     if num_batches == 0:
         raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
-    trainer.num_training_batches = num_batches
+    trainer.train_dataloader, trainer.num_training_batches = train_loader, num_batches
     val_every = _val_every(config.val_check_interval, num_batches)
+    step_limit = config.max_steps if config.max_steps != -1 else math.inf
 
     if config.num_sanity_val_steps and val_loaders and progress.global_step == 0:
         trainer.sanity_checking = True
@@ -88,14 +91,15 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         trainer.call("on_train_epoch_start")
         finished = False
         for batch_idx, batch, is_last in _epoch_batches(train_loader, progress.epoch_batches, num_batches):
-            _train_batch(trainer, guard, batch, batch_idx, is_last)
+            train_step(batch, batch_idx, is_last)
             finished = is_last and progress.epoch_batches == batch_idx + 1
             # The last batch (or the step that reaches max_steps) validates after the loop, once.
-            if (batch_idx + 1) % val_every == 0 and not is_last and not _steps_done(trainer):
+            steps_done = progress.global_step >= step_limit
+            if (batch_idx + 1) % val_every == 0 and not is_last and not steps_done:
                 _validate_if_due(trainer, val_loaders)
             guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
             # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
-            if trainer.should_stop and progress.epoch >= config.min_epochs or _steps_done(trainer):
+            if steps_done or trainer.should_stop and progress.epoch >= config.min_epochs:
                 break
         else:
             if progress.epoch_batches == 0:
@@ -170,51 +174,6 @@ def _done(trainer: Trainer, max_epochs: int) -> bool:
     if _steps_done(trainer) or (max_epochs != -1 and progress.epoch >= max_epochs):
         return True
     return trainer.should_stop and progress.epoch >= config.min_epochs
-
-
-def _train_batch(trainer: Trainer, guard: StepGuard, batch: Any, batch_idx: int, is_last: bool) -> None:
-    """One micro-batch; every accumulate_grad_batches (and at the epoch's end) an optimizer step."""
-    strategy, module, progress = trainer.strategy, trainer.module, trainer.progress
-    batch = strategy.batch_to_device(batch)
-    trainer.metrics.batch = batch
-    if trainer.call("on_train_batch_start", batch, batch_idx) == -1:
-        trainer.should_stop = True  # Lightning's convention: -1 ends the epoch
-        return
-    if not module.automatic_optimization:
-        outputs = strategy.training_step(batch, batch_idx)
-        progress.global_step += 1
-    else:
-        accumulate = trainer.config.accumulate_grad_batches
-        # The epoch's tail may hold fewer than `accumulate` micro-batches; step on it anyway.
-        stepping = (batch_idx + 1) % accumulate == 0 or is_last
-        before_backward = trainer.hook_caller("on_before_backward")
-        if stepping:
-            outputs = strategy.forward_backward(batch, batch_idx, 1.0 / accumulate, before_backward)
-        else:
-            with strategy.no_backward_sync():  # gradients only need synchronising on the micro-batch that steps
-                outputs = strategy.forward_backward(batch, batch_idx, 1.0 / accumulate, before_backward)
-        trainer.call("on_after_backward")
-        # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
-        if guard.allow_step(outputs, batch_idx, stepping):
-            _optimizer_step(trainer)
-    progress.epoch_batches = batch_idx + 1
-    trainer.publish_step_metrics()
-    trainer.call("on_train_batch_end", outputs, batch, batch_idx)
-
-
-def _optimizer_step(trainer: Trainer) -> None:
-    strategy, config, progress = trainer.strategy, trainer.config, trainer.progress
-    for optimizer in trainer.optimizers:
-        trainer.call("on_before_optimizer_step", optimizer)
-        if config.gradient_clip_val:
-            strategy.clip_gradients(optimizer, float(config.gradient_clip_val), config.gradient_clip_algorithm)
-        trainer.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step)
-        trainer.call("on_before_zero_grad", optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    progress.global_step += 1
-    for scheduler in trainer.lr_scheduler_configs:
-        if scheduler.interval == "step" and progress.global_step % scheduler.frequency == 0:
-            step_scheduler(scheduler, trainer.callback_metrics)
 
 
 def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:

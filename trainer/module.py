@@ -152,12 +152,10 @@ class TrainModule(HyperparametersMixin, nn.Module):
         batch_size: int | None = None,
     ) -> None:
         """Record a scalar or torchmetrics Metric; the trainer aggregates, reduces and writes it."""
-        if self._trainer is None or self._trainer.metrics is None:
+        metrics = self._trainer.metrics if self._trainer is not None else None
+        if metrics is None:
             return  # called outside fit/validate/test: nothing collects, as in Lightning
-        self._trainer.metrics.log(
-            name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
-            reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size,
-        )
+        metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """`self.log` for each item."""

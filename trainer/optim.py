@@ -92,6 +92,7 @@ class LRScaler:
             raise MisconfigurationError(f"lr_scaling={mode!r} is not known; use one of {', '.join(LR_SCALINGS)}.")
         self.factor = {"none": 1.0, "linear": float(workers), "sqrt": math.sqrt(workers)}[mode]
         self.warmup_steps = warmup_steps
+        self.warmup_end = warmup_steps if self.factor != 1.0 else 0  # the first step taken at the full rate
 
     def apply(self, optimizers: list[Optimizer], schedulers: list[SchedulerConfig]) -> None:
         """Multiply every group's rate (and the schedulers' base rates) by the factor, once."""

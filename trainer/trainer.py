@@ -57,6 +57,7 @@ class Trainer:
         self.should_stop = False
         self.sanity_checking = False
         self.stage: str | None = None
+        self.train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
         self.num_training_batches = 0
         self._last_logged_step = -1
         self._hook_targets: dict[str, tuple[list[Any], Any]] = {}  # hook -> (callback methods, module method)
@@ -177,14 +178,20 @@ class Trainer:
             method(self, self.module, *args)
         return targets[1](*args) if targets[1] is not None else None
 
-    def hook_caller(self, hook: str) -> Callable[..., Any]:
-        """`call` with `hook` bound: a callback for code that fires a hook without knowing the trainer."""
+    def hook(self, hook: str) -> Callable[..., Any] | None:
+        """A callable that fires `hook` as `call` does, or None when no callback and not the module overrides
+        it. The loop resolves its per-step hooks through this once per run and calls only the ones in use."""
+        methods, module_hook = self._resolve_hook(hook)
+        if not methods:
+            return module_hook
+        if len(methods) == 1 and module_hook is None:
+            return functools.partial(methods[0], self, self.module)
         return functools.partial(self.call, hook)
 
     def _resolve_hook(self, hook: str) -> tuple[list[Any], Any]:
-        """The callbacks and module methods that override `hook`: the loop fires six hooks a step, and
-        skipping the base classes' empty bodies keeps that dispatch off the per-step profile."""
-        methods = [getattr(c, hook) for c in self.callbacks]
+        """The callback and module methods that override `hook` (and that the callback says it uses): the
+        base classes' empty bodies are never called."""
+        methods = [getattr(c, hook) for c in self.callbacks if c.uses_hook(hook)]
         methods = [m for m in methods if getattr(m, "__func__", None) is not getattr(Callback, hook, None)]
         module_hook = getattr(self.module, hook, None)
         if getattr(module_hook, "__func__", None) is getattr(TrainModule, hook, object()):
@@ -195,10 +202,13 @@ class Trainer:
         """Make this step's logged values visible to callbacks and the bar; write them every n steps."""
         assert self.metrics is not None
         for_logger, for_bar = self.metrics.take_step_values()
+        if for_bar:
+            self.progress_bar_metrics.update(for_bar)
+        if not for_logger:
+            return
         self.callback_metrics.update(for_logger)
-        self.progress_bar_metrics.update(for_bar)
         step = self.progress.global_step
-        if for_logger and step % self.config.log_every_n_steps == 0 and step != self._last_logged_step:
+        if step % self.config.log_every_n_steps == 0 and step != self._last_logged_step:
             self._last_logged_step = step
             self._write({**for_logger, "epoch": self.progress.epoch}, step)
 

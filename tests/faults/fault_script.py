@@ -5,7 +5,7 @@
 --kill-at: the process SIGKILLs itself right after optimizer step STEP (rank 1 under ddp).
 --slow-from: from step STEP on, rank 0 writes <root>/marker and then sleeps 0.5 s per batch, leaving the
 test time to signal the run while it trains.
---slow-write-at: at step STEP the write of last.ckpt stalls half-way, after writing <root>/marker.
+--slow-write-at: at step STEP the checkpoint write stalls half-way, after writing <root>/marker.
 
 The run: dropout, Adam and a StepLR, a shuffled loader, step and epoch metrics in metrics.csv, and a
 ModelCheckpoint every 3 steps keeping every file plus last.ckpt, so a resume must restore RNG, optimizer,
@@ -117,8 +117,9 @@ class StallingFile:
         self.file.flush()
 
 
-class StallLastWriteAt(Callback):
-    """From step `step` on, torch.save into last.ckpt's temporary file stalls half-way."""
+class StallCheckpointWriteAt(Callback):
+    """From step `step` on, torch.save into a checkpoint's temporary file stalls half-way (last.ckpt is then
+    a second name for that file, made once it is whole)."""
 
     def __init__(self, step: int, marker: str) -> None:
         self.step, self.marker = step, marker
@@ -129,7 +130,7 @@ class StallLastWriteAt(Callback):
         real_save, marker = torch.save, self.marker
 
         def stalling_save(obj, f, *args, **kwargs):
-            if not str(getattr(f, "name", "")).endswith("last.ckpt.tmp"):
+            if not str(getattr(f, "name", "")).endswith(".ckpt.tmp"):
                 return real_save(obj, f, *args, **kwargs)
             import io
 
@@ -177,7 +178,7 @@ def main() -> None:
     if args.slow_from is not None:
         callbacks.append(SlowFrom(args.slow_from, marker))
     if args.slow_write_at is not None:
-        callbacks.append(StallLastWriteAt(args.slow_write_at, marker))
+        callbacks.append(StallCheckpointWriteAt(args.slow_write_at, marker))
     fit(args.root, args.strategy, callbacks)
 
 

@@ -16,11 +16,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer.checkpoint import load_checkpoint_file, save_checkpoint_file
+from trainer.checkpoint import link_checkpoint_file, load_checkpoint_file, save_checkpoint_file
 from trainer.data import prepare_loader
 from trainer.environment import ClusterEnvironment, detect_environment
 from trainer.errors import MisconfigurationError
 from trainer.precision import Precision
+
+HOST = torch.device("cpu")
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -173,15 +175,17 @@ class Strategy:
         self.precision.backward(loss)
 
     def forward_backward(
-        self, batch: Any, batch_idx: int, loss_scale: float, before_backward: Callable[[torch.Tensor], None]
+        self, batch: Any, batch_idx: int, loss_scale: float, before_backward: Callable[[torch.Tensor], None] | None
     ) -> Any:
-        """One automatic-optimization micro-step: training_step, then backward of loss * loss_scale.
+        """One automatic-optimization micro-step: training_step, on_before_backward (where someone overrides it),
+        then backward of loss * loss_scale.
 
         Returns training_step's output (its loss unscaled). A pipeline overrides this: its schedule does both.
         """
         output = self.training_step(batch, batch_idx)
         loss = step_loss(output)
-        before_backward(loss)
+        if before_backward is not None:
+            before_backward(loss)
         self.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         return output
 
@@ -219,7 +223,7 @@ class Strategy:
     def batch_to_device(self, batch: Any) -> Any:
         """The batch on this process's device. On a CPU the loader's host tensors are used as they are:
         walking every batch to find nothing to move costs each step for no gain."""
-        if self.root_device.type == "cpu":
+        if self.root_device == HOST:  # not `.type == "cpu"`: reading `.type` builds a new string each call
             return batch
         return move_to_device(batch, self.root_device, non_blocking=self.root_device.type == "cuda")
 
@@ -269,6 +273,12 @@ class Strategy:
         """Rank 0 writes, atomically; everyone waits so no rank reads a half-written file."""
         if self.is_global_zero:
             save_checkpoint_file(checkpoint, path)
+        self.barrier("save_checkpoint")
+
+    def link_checkpoint(self, source: str | Path, path: str | Path) -> None:
+        """Give the checkpoint just saved at `source` the name `path` too (atomically), behind the same barrier."""
+        if self.is_global_zero:
+            link_checkpoint_file(source, path)
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:

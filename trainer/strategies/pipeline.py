@@ -69,9 +69,10 @@ class LogRecorder:
 
     def __init__(self, collector: Any) -> None:
         self.collector = collector
-        self.records: list[tuple[str, Any, dict[str, Any]]] = []
+        self.records: list[tuple[str, Any, tuple[Any, ...]]] = []
 
-    def log(self, name: str, value: Any, **options: Any) -> None:
+    def log(self, name: str, value: Any, *options: Any) -> None:
+        """MetricCollector.log's signature: TrainModule.log passes its options positionally."""
         from torchmetrics import Metric
 
         if isinstance(value, Metric):
@@ -262,7 +263,7 @@ class PipelineStrategy(Strategy):
 
     # ------------------------------------------------------------------ the steps
     def forward_backward(self, batch: Any, batch_idx: int, loss_scale: float,
-                         before_backward: Callable[[torch.Tensor], None]) -> Any:
+                         before_backward: Callable[[torch.Tensor], None] | None) -> Any:
         """One schedule step (forward and backward of every micro-batch); the batch's mean loss on every rank."""
         inputs = self._inputs(batch)
         size = inputs[0].shape[0]
@@ -280,7 +281,8 @@ class PipelineStrategy(Strategy):
             dist.broadcast(loss, src=self._last_global_rank, group=self._pp_group)
         if self._sync_gradients and self.replicas > 1:
             self._average_gradients()
-        before_backward(loss)
+        if before_backward is not None:
+            before_backward(loss)
         self.module.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -324,11 +326,11 @@ class PipelineStrategy(Strategy):
         records = distributed.broadcast_object(records, src=self._last_global_rank, group=self._pp_group)
         collector = self.module.trainer.metrics
         for name, value, options in records:
-            collector.log(name, value, **options)
+            collector.log(name, value, *options)
         return result
 
     def _last_stage_eval(self, step_name: str, output: Any, batch: Any, batch_idx: int,
-                         dataloader_idx: int) -> tuple[Any, list[tuple[str, Any, dict[str, Any]]]]:
+                         dataloader_idx: int) -> tuple[Any, list[tuple[str, Any, tuple[Any, ...]]]]:
         trainer = self.module.trainer
         recorder = trainer.metrics = LogRecorder(trainer.metrics)
         try:

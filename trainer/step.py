@@ -1,0 +1,92 @@
+"""One training micro-batch, and the optimizer step that follows every accumulate_grad_batches of them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainer.optim import step_scheduler
+
+if TYPE_CHECKING:
+    from trainer.faults import StepGuard
+    from trainer.trainer import Trainer
+
+
+class TrainStep:
+    """`train_step(batch, batch_idx, is_last)` runs one micro-batch through the strategy.
+
+    Built once per fit: what cannot change during it (the strategy, the hooks a callback or the module
+    overrides, the optimizers, clipping, accumulation) is looked up here rather than on every batch. On a
+    small model this Python runs between kernels that have just evicted it from the CPU caches, where every
+    lookup and call costs microseconds; a hook nobody overrides is not called at all
+    (benchmarks/overhead.py measures what is left).
+    """
+
+    def __init__(self, trainer: Trainer, guard: StepGuard) -> None:
+        config = trainer.config
+        self.trainer, self.guard = trainer, guard
+        self.strategy, self.module, self.progress = trainer.strategy, trainer.module, trainer.progress
+        self.metrics = trainer.metrics
+        self.automatic = trainer.module.automatic_optimization
+        self.accumulate = config.accumulate_grad_batches
+        self.loss_scale = 1.0 / config.accumulate_grad_batches
+        self.clip_value = float(config.gradient_clip_val) if config.gradient_clip_val else None
+        self.clip_algorithm = config.gradient_clip_algorithm
+        self.optimizers = trainer.optimizers
+        self.lr_scaler = trainer.lr_scaler
+        self.step_schedulers = [s for s in trainer.lr_scheduler_configs if s.interval == "step"]
+        # None where nobody overrides the hook.
+        self.on_train_batch_start = trainer.hook("on_train_batch_start")
+        self.on_before_backward = trainer.hook("on_before_backward")
+        self.on_after_backward = trainer.hook("on_after_backward")
+        self.on_before_optimizer_step = trainer.hook("on_before_optimizer_step")
+        self.on_before_zero_grad = trainer.hook("on_before_zero_grad")
+        self.on_train_batch_end = trainer.hook("on_train_batch_end")
+
+    def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> None:
+        strategy, progress = self.strategy, self.progress
+        batch = strategy.batch_to_device(batch)
+        self.metrics.batch = batch
+        if self.on_train_batch_start is not None and self.on_train_batch_start(batch, batch_idx) == -1:
+            self.trainer.should_stop = True  # Lightning's convention: -1 ends the epoch
+            return
+        if not self.automatic:
+            outputs = strategy.training_step(batch, batch_idx)
+            progress.global_step += 1
+        else:
+            # The epoch's tail may hold fewer than `accumulate` micro-batches; step on it anyway.
+            stepping = is_last or (batch_idx + 1) % self.accumulate == 0
+            if stepping:
+                outputs = strategy.forward_backward(batch, batch_idx, self.loss_scale, self.on_before_backward)
+            else:
+                with strategy.no_backward_sync():  # gradients only need synchronising on the micro-batch that steps
+                    outputs = strategy.forward_backward(batch, batch_idx, self.loss_scale, self.on_before_backward)
+            if self.on_after_backward is not None:
+                self.on_after_backward()
+            # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
+            if self.guard.allow_step(outputs, batch_idx, stepping):
+                self.optimizer_step()
+        progress.epoch_batches = batch_idx + 1
+        self.trainer.publish_step_metrics()
+        if self.on_train_batch_end is not None:
+            self.on_train_batch_end(outputs, batch, batch_idx)
+
+    def optimizer_step(self) -> None:
+        """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers."""
+        strategy, progress = self.strategy, self.progress
+        warming_up = progress.global_step < self.lr_scaler.warmup_end
+        for optimizer in self.optimizers:
+            if self.on_before_optimizer_step is not None:
+                self.on_before_optimizer_step(optimizer)
+            if self.clip_value is not None:
+                strategy.clip_gradients(optimizer, self.clip_value, self.clip_algorithm)
+            if warming_up:
+                self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step)
+            else:
+                strategy.optimizer_step(optimizer)
+            if self.on_before_zero_grad is not None:
+                self.on_before_zero_grad(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        progress.global_step += 1
+        for scheduler in self.step_schedulers:
+            if progress.global_step % scheduler.frequency == 0:
+                step_scheduler(scheduler, self.trainer.callback_metrics)
