@@ -48,7 +48,7 @@ class TrainerConfig:
     logger: Any = _opt(True, "True or 'csv': CSV logger; 'tensorboard'; a list of those; False: none.")
     log_every_n_steps: int = _opt(50, "Write step metrics to the loggers every n optimizer steps.")
     enable_progress_bar: bool = _opt(True, "Show the rich progress bar (rank 0 only).")
-    enable_checkpointing: bool = _opt(True, "Add a ModelCheckpoint (last.ckpt each epoch) when none is given.")
+    enable_checkpointing: bool = _opt(True, "Add a ModelCheckpoint when none is given: the newest epoch checkpoint, also named last.ckpt.")
     enable_model_summary: bool = _opt(True, "Print a model summary table at fit start.")
     fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
     accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
