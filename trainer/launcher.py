@@ -55,8 +55,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer import faults
 from trainer.environment import ClusterEnvironment, detect_environment, find_free_port, node_rendezvous
 from trainer.errors import MisconfigurationError
+from trainer.loop import Progress
 
 if TYPE_CHECKING:
+    from trainer.module import TrainModule
     from trainer.trainer import Trainer
 
 GUARD_HINT = 'put the code that builds the Trainer and calls fit under `if __name__ == "__main__":`'
@@ -114,6 +116,36 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     # The reporting rank (rank 0 unless the loop's rank 0 lives elsewhere, as ps's chief) when it ran here.
     first = returns.get(strategy.reporting_rank, returns.get(node_rank * nproc))
     return pickle.loads(first) if first is not None else {"result": None}
+
+
+def final_state(trainer: Trainer) -> dict[str, Any]:
+    """What the reporting rank hands back to the script that started the job. Every rank calls it: gathering
+    a split model's weights (pipeline) is a collective."""
+    return {
+        "state_dict": {k: v.detach().cpu() for k, v in trainer.strategy.model_state_dict().items()},
+        "progress": trainer.progress.state_dict(),
+        "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
+        "callback_metrics": {k: v.detach().cpu() for k, v in trainer.callback_metrics.items()},
+        "logged_metrics": dict(trainer.logged_metrics),
+        "loggers": [logger.state_dict() for logger in trainer.loggers],
+    }
+
+
+def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> None:
+    """Load the reporting rank's final state into the launching process's module and trainer, so that the
+    caller's module holds the trained weights whatever the strategy."""
+    state = outcome.get("state")
+    if state is None:
+        return
+    module.load_state_dict(state["state_dict"])
+    trainer.module = module
+    trainer.progress = Progress(**state["progress"])
+    for callback in trainer.callbacks:
+        if callback.state_key in state["callbacks"]:
+            callback.load_state_dict(state["callbacks"][callback.state_key])
+    trainer.callback_metrics, trainer.logged_metrics = state["callback_metrics"], state["logged_metrics"]
+    for logger, logger_state in zip(trainer.loggers, state["loggers"]):
+        logger.load_state_dict(logger_state)
 
 
 def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:

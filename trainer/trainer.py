@@ -318,7 +318,7 @@ class Trainer:
             from trainer import launcher
 
             outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
-            self._adopt(module, outcome)
+            launcher.adopt(self, module, outcome)
             return outcome["result"]
         return self._run(stage, module, datamodule, ckpt, *loaders, environment=environment)["result"]
 
@@ -355,8 +355,10 @@ class Trainer:
             result = self._run_stage(stage, stage_loaders)
             outcome = {"result": result}
             if strategy.job_size > 1:
+                from trainer import launcher
+
                 # Every rank joins: gathering a split model's weights (pipeline) is a collective.
-                state = self._state_for_caller()
+                state = launcher.final_state(self)
                 if strategy.is_global_zero:
                     outcome["state"] = state
             return outcome
@@ -446,32 +448,6 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """The checkpoint dict (format: trainer/checkpoint.py). A collective: call on every rank."""
         return build_checkpoint(self)
-
-    def _state_for_caller(self) -> dict[str, Any]:
-        """What rank 0 hands back to the script that launched the job."""
-        return {
-            "state_dict": {k: v.detach().cpu() for k, v in self.strategy.model_state_dict().items()},
-            "progress": self.progress.state_dict(),
-            "callbacks": {c.state_key: c.state_dict() for c in self.callbacks},
-            "callback_metrics": {k: v.detach().cpu() for k, v in self.callback_metrics.items()},
-            "logged_metrics": dict(self.logged_metrics),
-            "loggers": [logger.state_dict() for logger in self.loggers],
-        }
-
-    def _adopt(self, module: TrainModule, outcome: dict[str, Any]) -> None:
-        """Load rank 0's final state into this (launching) process's module and trainer."""
-        state = outcome.get("state")
-        if state is None:
-            return
-        module.load_state_dict(state["state_dict"])
-        self.module = module
-        self.progress = Progress(**state["progress"])
-        for callback in self.callbacks:
-            if callback.state_key in state["callbacks"]:
-                callback.load_state_dict(state["callbacks"][callback.state_key])
-        self.callback_metrics, self.logged_metrics = state["callback_metrics"], state["logged_metrics"]
-        for logger, logger_state in zip(self.loggers, state["loggers"]):
-            logger.load_state_dict(logger_state)
 
 
 # `help(Trainer)` and IDEs show every option, from the one dataclass that defines them.
