@@ -77,6 +77,13 @@ def build_net() -> nn.Module:
                          nn.Linear(HIDDEN, CLASSES))
 
 
+def hand_parts(data: TensorDataset) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
+    """A hand-written side's model, optimizer and shuffled loader, seeded like the Trainer's module."""
+    torch.manual_seed(0)
+    net = build_net()
+    return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), DataLoader(data, batch_size=BATCH, shuffle=True)
+
+
 def synthetic_data(samples: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(samples, FEATURES, generator=generator)
@@ -154,10 +161,7 @@ class StepClock(Callback):
 
 def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
     begin = time.perf_counter()
-    torch.manual_seed(0)
-    net = build_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    net, optimizer, loader = hand_parts(data)
     folder.mkdir(parents=True, exist_ok=True)
     steps, stamps = 0, []
     with open(folder / "metrics.csv", "w", newline="") as f:
@@ -200,10 +204,7 @@ class InterleavedHandSteps(Callback):
     """After every `block` Trainer steps, runs and times `block` hand-written steps (see "Interleaved blocks")."""
 
     def __init__(self, data: TensorDataset, block: int) -> None:
-        torch.manual_seed(0)
-        self.net = build_net()
-        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
-        self.loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+        self.net, self.optimizer, self.loader = hand_parts(data)
         self.batches = iter(self.loader)
         self.block, self.count, self.hand_steps = block, 0, 0
         self.hand: list[tuple[float, float]] = []
@@ -256,10 +257,7 @@ def interleaved_blocks(data: TensorDataset, epochs: int, block: int, folder: Pat
 def interleaved_hand_blocks(data: TensorDataset, epochs: int, block: int) -> InterleavedHandSteps:
     """The interleaved measurement with a hand-written loop in the Trainer's place: its ratio is the method's bias."""
     interleaved = InterleavedHandSteps(data, block)
-    torch.manual_seed(0)
-    net = build_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    net, optimizer, loader = hand_parts(data)
     steps = 0
     for _ in range(epochs):
         interleaved.on_train_epoch_start(None, None)

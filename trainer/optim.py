@@ -105,17 +105,14 @@ class LRScaler:
 
     def warmup_ratio(self, global_step: int) -> float:
         """The fraction of the (scaled) rate in force at optimizer step `global_step`: below 1 while warming up."""
-        if self.factor == 1.0 or global_step >= self.warmup_steps:
+        if global_step >= self.warmup_end:
             return 1.0
         return (1.0 + (self.factor - 1.0) * global_step / self.warmup_steps) / self.factor
 
     def step(self, optimizer: Optimizer, global_step: int, optimizer_step: Callable[[Optimizer], None]) -> None:
-        """Run `optimizer_step(optimizer)`, at a lowered rate while warming up (restored afterwards)."""
-        ratio = self.warmup_ratio(global_step)
-        if ratio == 1.0:
-            optimizer_step(optimizer)  # every step after warm-up: no context to enter
-            return
-        with self._lowered(optimizer, ratio):
+        """Run `optimizer_step(optimizer)` at the rate warm-up gives `global_step` (the rates are restored
+        afterwards). The training step calls it only before `warmup_end`, and steps directly after."""
+        with self._lowered(optimizer, self.warmup_ratio(global_step)):
             optimizer_step(optimizer)
 
     @staticmethod
