@@ -22,7 +22,8 @@ with one intra-op thread all the work runs on it). On a quiet machine they agree
 wall clock also counts the time other processes held the CPU, so there the CPU-time ratio is the one
 to read. One-off setup (strategy, loaders, model summary; whole `fit` minus the training phase, wall
 time) is printed separately. Runs alternate hand/Trainer several times so that drifts in machine speed
-hit both; the medians over runs are compared.
+hit both; the medians over runs are compared, and so are the two runs of each repeat (the median of
+their ratios).
 
 Interleaved blocks (the steady figure): on a shared machine the speed drifts by tens of percent within
 a second, so runs a second apart are not comparable. So a last measurement interleaves in blocks: a
@@ -44,12 +45,17 @@ measured is the framework's Python work, not the kernels.
 
 Also prints the wall time of `python -c "import trainer"` next to `python -c "import torch"`.
 
-Run: python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--block 20] [--threads 1] [--floor-runs 15]
+`--valgrind` prints instead what the two sides execute per step under valgrind's cachegrind: instructions,
+simulated cache misses and mispredicted branches. Those counts are deterministic, so they show the
+framework's own work exactly where the timings above cannot.
+
+Run: python benchmarks/overhead.py [--valgrind] [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--block 20] [--threads 1] [--floor-runs 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import os
 import statistics
@@ -312,6 +318,41 @@ def framework_floor(runs: int, steps: int, folder: Path) -> None:
           f"{floor_ours:.1f} us: the Trainer adds {floor_ours - floor_hand:.1f} us per step")
 
 
+CACHES = {"I1": "32768,8,64", "D1": "32768,8,64", "LL": "524288,8,64"}  # one core's L1s and L2 (AMD Zen 3 here)
+EVENTS = {"Ir": "instructions", "I1mr": "L1 instruction misses", "ILmr": "L2 instruction misses",
+          "D1mr": "L1 data read misses", "D1mw": "L1 data write misses", "DLmr": "L2 data read misses",
+          "Bcm": "mispredicted conditional branches", "Bim": "mispredicted indirect branches"}
+
+
+def cachegrind_totals(side: str, steps: int, folder: Path) -> dict[str, int]:
+    """The event totals of one `--side` run under valgrind's cachegrind (simulated caches and branch predictor)."""
+    out = folder / f"cachegrind.{side}.{steps}"
+    caches = [f"--{name}={spec}" for name, spec in CACHES.items()]
+    subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes", *caches,
+                    f"--cachegrind-out-file={out}", sys.executable, __file__, "--side", side, "--steps", str(steps),
+                    "--folder", str(folder / f"{side}{steps}")], check=True, capture_output=True)
+    lines = out.read_text().splitlines()
+    names = next(line for line in lines if line.startswith("events:")).split()[1:]
+    totals = next(line for line in lines if line.startswith("summary:")).split()[1:]
+    return dict(zip(names, map(int, totals)))
+
+
+def instruction_counts(short: int, long: int) -> None:
+    """Per-step counts of both sides under cachegrind: the difference of a `long`- and a `short`-step run of
+    each, divided by the steps between them, so that imports and setup cancel out. Deterministic: the same
+    on a busy machine and a quiet one, unlike any timing here (but blind to what cachegrind does not
+    model: the real core's prefetchers, op cache, memory latency)."""
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        jobs = {(side, steps): pool.submit(cachegrind_totals, side, steps, Path(tmp))
+                for side in ("hand", "trainer") for steps in (short, long)}
+        totals = {key: job.result() for key, job in jobs.items()}
+    print(f"cachegrind, per step (runs of {long} and {short} steps; caches {CACHES}):")
+    for event, meaning in EVENTS.items():
+        hand, ours = ((totals[side, long][event] - totals[side, short][event]) / (long - short)
+                      for side in ("hand", "trainer"))
+        print(f"  {meaning:>34}: hand-written {hand:12,.0f}  Trainer {ours:12,.0f}  ratio {ours / hand:.4f}")
+
+
 def import_seconds(module: str, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -364,12 +405,24 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-epoch", type=int, default=400)
     parser.add_argument("--block", type=int, default=20)
-    parser.add_argument("--block-repeats", type=int, default=5)
+    parser.add_argument("--block-repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--import-repeats", type=int, default=5)
     parser.add_argument("--floor-runs", type=int, default=15)
+    parser.add_argument("--valgrind", action="store_true",
+                        help="only count instructions, cache misses and mispredicted branches per step under "
+                             "valgrind's cachegrind (about 11 minutes)")
+    parser.add_argument("--side", choices=("hand", "trainer"), help=argparse.SUPPRESS)  # one run, for --valgrind
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.side is not None:
+        (hand_written if args.side == "hand" else with_trainer)(synthetic_data(args.steps * BATCH), 1, args.folder)
+        return
+    if args.valgrind:
+        instruction_counts(short=20, long=120)
+        return
 
     data = synthetic_data(args.steps_per_epoch * BATCH)
     runs: dict[str, list[Timing]] = {"hand-written": [], "Trainer": []}
@@ -384,7 +437,10 @@ def main() -> None:
           f"batch {BATCH}; {args.epochs} epochs x {args.steps_per_epoch} steps; {args.repeats} interleaved repeats")
     for clock, name in enumerate(CLOCKS):
         hand, trainer = report("hand-written", runs["hand-written"], clock), report("Trainer", runs["Trainer"], clock)
-        print(f"ratio Trainer / hand-written per step ({name} time): {trainer / hand:.3f} (target <= 1.03)")
+        # Each repeat ran its two sides back to back: their ratio leaves out the drift between repeats.
+        paired = [ours.per_step(clock) / mine.per_step(clock) for mine, ours in zip(runs["hand-written"], runs["Trainer"])]
+        print(f"ratio Trainer / hand-written per step ({name} time): {trainer / hand:.3f} (target <= 1.03); "
+              f"median of the repeats' own ratios {statistics.median(paired):.3f} ({min(paired):.3f}..{max(paired):.3f})")
 
     with tempfile.TemporaryDirectory() as tmp:
         blocks, aa = [], []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -37,20 +38,41 @@ class _SpeedColumn(ProgressColumn):
 
 
 def metrics_text(trainer: Trainer) -> str:
-    """'step=120 loss=0.1234 ...' from the progress-bar metrics (tensors become floats only here)."""
+    """'step=120 loss=0.1234 ...' from the progress-bar metrics (tensors become floats only here).
+
+    Also called from rich's refresh thread while the loop runs: the dict is copied (one C call, atomic
+    under the GIL) before it is walked, so a key logged meanwhile cannot break the iteration.
+    """
     parts = [f"step={trainer.global_step}"]
-    for name, value in trainer.progress_bar_metrics.items():
+    for name, value in dict(trainer.progress_bar_metrics).items():
         number = float(value)
         parts.append(f"{name}={number:.4g}")
     return " ".join(parts)
 
 
+class _TrainerProgress(Progress):
+    """A rich Progress that brings the training task up to date just before each redraw.
+
+    rich redraws from its own thread every `refresh_per_second`; the task's count and metrics are read
+    from the trainer then, so the training loop never calls into the bar.
+    """
+
+    def __init__(self, *columns: Any, before_render: Any, **kwargs: Any) -> None:
+        self._before_render = before_render  # set first: rich may draw while it is being built
+        super().__init__(*columns, **kwargs)
+
+    def get_renderables(self) -> Iterable[Any]:
+        self._before_render()
+        yield from super().get_renderables()
+
+
 class RichProgressBar(Callback):
     """A training bar (epoch, batches, elapsed, ETA, it/s, step and prog_bar metrics) and transient eval bars.
 
-    Per batch it only records counters; the display is redrawn at most every `refresh_rate` seconds,
-    which is when logged tensors are read. Ranks other than 0 draw nothing. When stdout is not a
-    terminal (CI logs) it prints one line per training epoch instead.
+    Training batches cost it nothing: rich's refresh thread redraws every `refresh_rate` seconds and reads
+    the trainer's counters and logged tensors then (`refresh_rate=0`: a redraw after every batch, from
+    the loop). Evaluation bars count their batches. Ranks other than 0 draw nothing. When stdout is not
+    a terminal (CI logs) it prints one line per training epoch instead.
     """
 
     def __init__(self, refresh_rate: float = 0.5, console: Console | None = None) -> None:
@@ -62,24 +84,29 @@ class RichProgressBar(Callback):
         self._progress: Progress | None = None
         self._enabled = False
         self._interactive = False
+        self._trainer: Trainer | None = None  # read by the refresh thread
         self._train_task: TaskID | None = None
         self._eval_task: TaskID | None = None
-        self._train_done = self._eval_done = 0
-        self._next_refresh = 0.0
+        self._eval_done = 0
         self._epoch_started = 0.0
         self._epoch_first_batch = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Consoles and live displays hold files and locks; worker processes build their own.
         state = self.__dict__.copy()
-        state.update(_user_console=None, _console=None, _progress=None, _train_task=None, _eval_task=None)
+        state.update(_user_console=None, _console=None, _progress=None, _trainer=None, _train_task=None, _eval_task=None)
         return state
+
+    def uses_hook(self, hook: str) -> bool:
+        # Training batches are drawn by the refresh thread, unless a redraw after every batch was asked for.
+        return hook != "on_train_batch_end" or self.refresh_rate == 0
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         self._enabled = trainer.is_global_zero
         if not self._enabled:
             return
+        self._trainer = trainer
         self._console = self._user_console or Console()
         self._interactive = self._console.is_terminal and not self._console.is_dumb_terminal
 
@@ -88,11 +115,12 @@ class RichProgressBar(Callback):
         if not (self._enabled and self._interactive):
             return None
         if self._progress is None:
-            self._progress = Progress(
+            self._progress = _TrainerProgress(
                 TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), _SpeedColumn(),
                 TextColumn("{task.fields[metrics]}", markup=False),
-                console=self._console, auto_refresh=False,
+                before_render=self._update_tasks, console=self._console,
+                auto_refresh=self.refresh_rate > 0, refresh_per_second=1 / self.refresh_rate if self.refresh_rate else 1,
             )
             self._progress.start()
         return self._progress
@@ -107,6 +135,7 @@ class RichProgressBar(Callback):
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         self._stop()
+        self._trainer = None
 
     # ------------------------------------------------------------------ training bar
     def _epoch_description(self, trainer: Trainer) -> str:
@@ -116,7 +145,7 @@ class RichProgressBar(Callback):
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         if not self._enabled:
             return
-        self._train_done = self._epoch_first_batch = trainer.progress.epoch_batches  # a resume starts mid-epoch
+        self._epoch_first_batch = trainer.progress.epoch_batches  # a resume starts mid-epoch
         self._epoch_started = time.monotonic()
         progress = self._live()
         if progress is None:
@@ -127,31 +156,39 @@ class RichProgressBar(Callback):
         if self._train_task is None:
             self._train_task = progress.add_task(description, total=total, metrics="")
         else:
-            progress.reset(self._train_task, total=total, description=description)
-        self._refresh_train(trainer)
+            progress.reset(self._train_task, total=total, description=description)  # both redraw
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._train_done = batch_idx + 1
-        if self._progress is not None and time.monotonic() >= self._next_refresh:
-            self._refresh_train(trainer)
+        self._redraw()  # refresh_rate=0 only (see uses_hook)
 
-    def _refresh_train(self, trainer: Trainer) -> None:
-        progress = self._progress
-        if progress is None or self._train_task is None:
+    def _update_tasks(self) -> None:
+        """Bring the tasks to the trainer's batch count and metrics; runs before each redraw, in either thread."""
+        progress, trainer = self._progress, self._trainer
+        if progress is None or trainer is None:
             return
-        progress.update(self._train_task, completed=self._train_done, metrics=metrics_text(trainer))
-        progress.refresh()
-        self._next_refresh = time.monotonic() + self.refresh_rate
+        if self._train_task is not None:
+            progress.update(self._train_task, completed=trainer.progress.epoch_batches, metrics=metrics_text(trainer))
+        eval_task = self._eval_task
+        if eval_task is not None:
+            try:
+                progress.update(eval_task, completed=self._eval_done)
+            except KeyError:  # the loop removed the finished evaluation's task since it was read
+                pass
+
+    def _redraw(self) -> None:
+        if self._progress is not None:
+            self._progress.refresh()
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         if not self._enabled:
             return
         if self._progress is not None:
-            self._refresh_train(trainer)
+            self._redraw()
             return
         elapsed = time.monotonic() - self._epoch_started
-        rate = (self._train_done - self._epoch_first_batch) / elapsed if elapsed > 0 else 0.0
-        line = (f"{self._epoch_description(trainer)}: {self._train_done}/{trainer.num_training_batches} batches, "
+        done = trainer.progress.epoch_batches
+        rate = (done - self._epoch_first_batch) / elapsed if elapsed > 0 else 0.0
+        line = (f"{self._epoch_description(trainer)}: {done}/{trainer.num_training_batches} batches, "
                 f"{elapsed:.1f}s, {rate:.1f} it/s, {metrics_text(trainer)}")
         assert self._console is not None
         self._console.print(Text(line), soft_wrap=True, highlight=False)
@@ -161,22 +198,18 @@ class RichProgressBar(Callback):
         self._eval_done = 0
         progress = self._live()
         if progress is not None:
-            self._eval_task = progress.add_task(description, total=None, metrics="")
-            progress.refresh()
+            self._eval_task = progress.add_task(description, total=None, metrics="")  # redraws
 
     def _eval_batch(self) -> None:
         self._eval_done += 1
-        if self._eval_task is not None and time.monotonic() >= self._next_refresh:
-            assert self._progress is not None
-            self._progress.update(self._eval_task, completed=self._eval_done)
-            self._progress.refresh()
-            self._next_refresh = time.monotonic() + self.refresh_rate
+        if self.refresh_rate == 0:
+            self._redraw()
 
     def _eval_end(self, trainer: Trainer) -> None:
         if self._progress is not None and self._eval_task is not None:
-            self._progress.remove_task(self._eval_task)
-            self._eval_task = None
-            self._refresh_train(trainer)  # epoch-level metrics (validation) show on the training bar
+            task, self._eval_task = self._eval_task, None
+            self._progress.remove_task(task)
+            self._redraw()  # epoch-level metrics (validation) show on the training bar
 
     def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._eval_start("Sanity checking" if trainer.sanity_checking else "Validation")
