@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from trainer import Trainer, TrainModule
-from trainer.data import prepare_loader, samples_in_batches
+from trainer.data import merge_prediction_shares, prepare_loader, samples_in_batches
 
 SEED = 7
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -256,3 +256,64 @@ def test_samples_in_batches_counts_the_short_last_batch(batch_size, drop_last, s
 def test_samples_in_batches_is_unknown_for_a_custom_batch_sampler():
     loader = DataLoader(regression_data(10), batch_sampler=[[0, 1], [2, 3, 4]])
     assert samples_in_batches(loader, 0, 2) is None
+
+
+# --------------------------------------------------------------------------- predictions of data-parallel ranks
+
+
+def rank_predictions(loader: DataLoader, replicas: int, predict, limit: int | None = None) -> list[list]:
+    """What each of `replicas` ranks predicts from its slice of `loader` (the slicing predict uses)."""
+    shares = []
+    for rank in range(replicas):
+        sliced = prepare_loader(loader, train=False, num_replicas=replicas, rank=rank)
+        shares.append([predict(batch) for batch in itertools.islice(sliced, limit)])
+    return shares
+
+
+def merged(loader: DataLoader, replicas: int, predict, limit: int | None = None) -> list:
+    sliced = prepare_loader(loader, train=False, num_replicas=replicas, rank=0)
+    return merge_prediction_shares(rank_predictions(loader, replicas, predict, limit), sliced)
+
+
+def with_inputs(batch):
+    x, y = batch
+    return {"x": x, "pair": (2 * x, y)}
+
+
+@pytest.mark.parametrize(("samples", "batch_size", "replicas"), [(23, 4, 2), (23, 4, 3), (8, 4, 2), (2, 4, 3)])
+def test_data_parallel_predictions_come_back_in_dataset_order_and_batch_size(samples, batch_size, replicas):
+    data = regression_data(samples)
+    loader = DataLoader(data, batch_size=batch_size)
+    expected = [with_inputs(batch) for batch in loader]
+    actual = merged(loader, replicas, with_inputs)
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        assert got.keys() == want.keys()
+        assert torch.equal(got["x"], want["x"]) and torch.equal(got["pair"][0], want["pair"][0])
+        assert torch.equal(got["pair"][1], want["pair"][1])
+
+
+def test_predictions_follow_the_loaders_own_sampler_and_a_batch_limit():
+    data = regression_data(30)
+    order = torch.randperm(30, generator=torch.Generator().manual_seed(1)).tolist()
+    loader = DataLoader(data, batch_size=4, sampler=order)
+    actual = merged(loader, 2, lambda batch: batch[0], limit=2)  # each rank: 2 batches, 8 of its samples
+    assert torch.equal(torch.cat(actual), data.tensors[0][order[:16]])
+    assert [len(batch) for batch in actual] == [4, 4, 4, 4]
+
+
+def test_whole_batches_dealt_by_a_custom_batch_sampler_are_interleaved_back():
+    data = regression_data(10)
+    loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3, 4], [5], [6, 7, 8, 9], [3]])
+    actual = merged(loader, 2, lambda batch: batch[0])
+    assert [torch.equal(got, data.tensors[0][indices]) for got, indices in zip(actual, loader.batch_sampler)] == [True] * 5
+
+
+def test_predictions_without_one_row_per_sample_come_batch_by_batch_with_a_warning():
+    loader = DataLoader(regression_data(10), batch_size=3)
+    with pytest.warns(UserWarning, match="cannot be put back in dataset order"):
+        actual = merged(loader, 2, lambda batch: float(batch[0].sum()))
+    shares = rank_predictions(loader, 2, lambda batch: float(batch[0].sum()))
+    assert actual == [shares[0][0], shares[1][0], shares[0][1], shares[1][1]]
+    with pytest.warns(UserWarning, match="one row per sample"):  # a per-batch summary, not per-sample rows
+        merged(loader, 2, lambda batch: batch[0].sum(0))

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -233,6 +234,63 @@ def skip_batches(loader: DataLoader, count: int) -> bool:
         loader.batch_sampler.skip = count
         return True
     return count == 0
+
+
+def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list[Any]:
+    """One loader's predictions from every data-parallel rank (`shares[r]`: rank r's batch outputs, from its
+    slice of `loader`) as one process would have made them: in the loader's order, in its batch size.
+
+    Evaluation loaders give rank r every world_size-th sample (or batch) from position r (ShardedSampler), so
+    a sample's position is known from its rank and place. Re-cutting batches needs outputs that are tensors
+    (or lists, tuples, dicts of them) with one row per sample; other outputs come back batch by batch in
+    turn over the ranks, with a warning. A loader the trainer did not shard ran whole on every rank: rank 0's
+    outputs are returned.
+    """
+    replicas, batch_sampler = len(shares), loader.batch_sampler
+    if isinstance(batch_sampler, ShardedSampler):  # a custom batch_sampler: whole batches were dealt out
+        return _interleave_batches(shares)
+    if not isinstance(getattr(batch_sampler, "sampler", None), ShardedSampler):
+        return shares[0]
+    batch_size, total = batch_sampler.batch_size, len(batch_sampler.sampler.sampler)
+    tables = {rank: _rows(share) for rank, share in enumerate(shares) if share}
+    # Rank r's slice holds the positions r, r + replicas, ...; of it, the first len(shares[r]) batches ran.
+    expected = {rank: min(len(shares[rank]) * batch_size, len(range(rank, total, replicas))) for rank in tables}
+    rows_per_sample = all(table is not None and table[0][0].shape[0] == expected[rank] for rank, table in tables.items())
+    structures = [table[1] for table in tables.values() if table is not None]
+    if not rows_per_sample or any(structure != structures[0] for structure in structures):
+        warnings.warn(
+            f"predict_step's outputs are not tensors with one row per sample, so the {replicas} ranks' "
+            "predictions cannot be put back in dataset order: they come batch by batch, in turn over the ranks.",
+            stacklevel=2,
+        )
+        return _interleave_batches(shares)
+    if not tables:
+        return []
+    positions = torch.cat([rank + replicas * torch.arange(expected[rank]) for rank in tables])
+    order = positions.argsort()
+    columns = [table[0] for table in tables.values() if table is not None]
+    leaves = [torch.cat([rank_columns[leaf] for rank_columns in columns])[order] for leaf in range(len(columns[0]))]
+    return [pytree.tree_unflatten(list(batch), structures[0]) for batch in zip(*(leaf.split(batch_size) for leaf in leaves))]
+
+
+def _interleave_batches(shares: list[list[Any]]) -> list[Any]:
+    """Batch b of one pass came from rank b % len(shares)."""
+    return [share[index] for index in range(max(map(len, shares), default=0)) for share in shares if index < len(share)]
+
+
+def _rows(share: list[Any]) -> tuple[list[torch.Tensor], Any] | None:
+    """A rank's outputs as per-leaf tensors of all its samples, and their common structure; None when some
+    output is not made of tensors with one row per sample."""
+    structure = pytree.tree_flatten(share[0])[1]
+    columns: list[list[torch.Tensor]] = [[] for _ in range(structure.num_leaves)]
+    for output in share:
+        leaves, spec = pytree.tree_flatten(output)
+        sizes = {leaf.shape[0] if isinstance(leaf, torch.Tensor) and leaf.ndim else None for leaf in leaves}
+        if spec != structure or not leaves or None in sizes or len(sizes) > 1:
+            return None
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+    return [torch.cat(column) for column in columns], structure
 
 
 def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:

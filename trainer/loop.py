@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.data import set_epoch, skip_batches
+from trainer.data import merge_prediction_shares, set_epoch, skip_batches
 from trainer.errors import MisconfigurationError
 from trainer.faults import StepGuard
 from trainer.optim import step_scheduler
 from trainer.step import TrainStep
+from trainer.strategies.base import move_to_device
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -219,7 +220,12 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
 
 
 def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float) -> list[list[Any]]:
-    """predict_step over every batch; one list of outputs per loader (this rank's share)."""
+    """predict_step over every batch; one list of outputs per loader.
+
+    Under data parallelism each rank predicts its share, and every rank returns all of them, put back in the
+    loader's order and batch size (on the CPU), as one process would have: predictions do not depend on
+    the strategy.
+    """
     strategy, module = trainer.strategy, trainer.module
     module.eval()
     trainer.call("on_predict_start")
@@ -241,4 +247,8 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
             results.append(outputs)
     trainer.call("on_predict_epoch_end")
     trainer.call("on_predict_end")
-    return results
+    if strategy.data_parallel_size == 1:
+        return results
+    # Tensors travel as pickles: on the CPU, so that a rank unpickles none onto another rank's GPU.
+    shares = strategy.gather_data_parallel(move_to_device(results, torch.device("cpu")))
+    return [merge_prediction_shares([share[index] for share in shares], loader) for index, loader in enumerate(loaders)]

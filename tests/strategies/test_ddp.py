@@ -239,6 +239,28 @@ def test_a_rank_that_raises_stops_the_job_within_seconds_and_its_error_is_raised
         shutil.rmtree(output.parent)
 
 
+class PredictingNet(Net):
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return {"x": x, "y": self(x)}
+
+
+@pytest.mark.timeout(240)
+def test_predict_returns_every_ranks_predictions_in_dataset_order(tmp_path):
+    """21 samples in batches of 4 over 2 ranks (11 and 10 samples each): the caller gets what one process
+    would have returned, 5 batches of 4 and one of 1, in order."""
+    module = PredictingNet()
+    module.load_state_dict(initial_state())
+    trainer = Trainer(strategy="ddp", devices=2, default_root_dir=str(tmp_path), logger=False, **QUIET)
+    predictions = trainer.predict(module, DataLoader(VAL, batch_size=BATCH))
+    x = VAL.tensors[0]
+    assert [len(batch["x"]) for batch in predictions] == [4, 4, 4, 4, 4, 1]
+    with torch.no_grad():
+        for start, batch in zip(range(0, len(x), BATCH), predictions):
+            assert torch.equal(batch["x"], x[start:start + BATCH])
+            torch.testing.assert_close(batch["y"], module(x[start:start + BATCH]), rtol=0, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- one process, in this process
 
 

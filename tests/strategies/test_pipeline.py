@@ -216,13 +216,19 @@ def test_pipeline_matches_single_device(tmp_path, schedule, stages):
 @pytest.mark.timeout(120)
 def test_pipeline_times_data_parallel_matches_single_device(tmp_path):
     """2 stages x 2 replicas: each replica takes half of every global batch; gradients are averaged
-    (over two accumulated batches per optimizer step)."""
-    spec = {"strategy": {"stages": 2, "schedule": "1f1b", "microbatches": 2}, "trainer": {"accumulate_grad_batches": 2}}
+    (over two accumulated batches per optimizer step). Each replica predicts every other sample; rank 0
+    gets them all back in order."""
+    spec = {"strategy": {"stages": 2, "schedule": "1f1b", "microbatches": 2}, "trainer": {"accumulate_grad_batches": 2},
+            "predict": True}
     record = run_pipeline(tmp_path, 4, spec)
-    reference = reference_fit(fresh(), epochs=2, replicas=2, accumulate=2)
+    model = fresh()
+    reference = reference_fit(model, epochs=2, replicas=2, accumulate=2)
     assert len(record["losses"]) == 4
     torch.testing.assert_close(record["losses"], reference["losses"], rtol=1e-4, atol=1e-5)
     assert_same_weights(record["state"], reference["state"])
+    with torch.no_grad():
+        outputs = model(dataset().tensors[0])
+    torch.testing.assert_close(torch.load(tmp_path / "predictions.pt"), outputs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(120)

@@ -251,6 +251,10 @@ class Strategy:
         """Every rank's `obj`, ordered by rank."""
         return [obj]
 
+    def gather_data_parallel(self, obj: Any) -> list[Any]:
+        """Every data-parallel rank's `obj`, ordered by data-parallel rank (the ranks that split the data)."""
+        return self.all_gather_object(obj)
+
     # ------------------------------------------------------------------ checkpoints
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model under plain keys (gathered when it is split), identical across strategies."""

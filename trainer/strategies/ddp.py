@@ -10,8 +10,9 @@ How the data is split (every rank builds its loaders through Strategy.prepare_lo
 - Validation and test: each rank takes every world_size-th sample, neither padded nor dropped, so ranks
   may run one batch more or fewer and each sample counts exactly once; epoch metrics (sync_dist=True or
   torchmetrics) are reduced over all ranks' samples, weighted by the samples each rank saw.
-- Predict: each rank predicts its share; when the Trainer started the processes itself, `predict`
-  returns rank 0's share (write every rank's predictions from a callback to keep them all).
+- Predict: each rank predicts its share as for validation; `predict` then returns all of them on every
+  rank (and in the script that started the processes), in the loader's order and batch size, on the CPU:
+  what one process would have returned (trainer/data.py, merge_prediction_shares).
 
 Started by the Trainer itself (`python train.py`, see trainer/launcher.py), or already by torchrun,
 SLURM's srun or mpirun (see trainer/environment.py).

@@ -407,6 +407,10 @@ class PipelineStrategy(Strategy):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return distributed.all_gather_object(obj)
 
+    def gather_data_parallel(self, obj: Any) -> list[Any]:
+        """From the same stage of every replica: every rank of a pipeline holds its outputs."""
+        return distributed.all_gather_object(obj, group=self._dp_group) if self.replicas > 1 else [obj]
+
     # ------------------------------------------------------------------ checkpoints
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model under single-device keys, on CPU: every stage's share gathered (a collective)."""
