@@ -251,10 +251,10 @@ def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list
         return _interleave_batches(shares)
     if not isinstance(getattr(batch_sampler, "sampler", None), ShardedSampler):
         return shares[0]
-    batch_size, total = batch_sampler.batch_size, len(batch_sampler.sampler.sampler)
+    batch_size, ordered = batch_sampler.batch_size, batch_sampler.sampler.sampler
     tables = {rank: _rows(share) for rank, share in enumerate(shares) if share}
     # Rank r's slice holds the positions r, r + replicas, ...; of it, the first len(shares[r]) batches ran.
-    expected = {rank: min(len(shares[rank]) * batch_size, len(range(rank, total, replicas))) for rank in tables}
+    expected = {rank: min(len(shares[rank]) * batch_size, len(ShardedSampler(ordered, replicas, rank))) for rank in tables}
     rows_per_sample = all(table is not None and table[0][0].shape[0] == expected[rank] for rank, table in tables.items())
     structures = [table[1] for table in tables.values() if table is not None]
     if not rows_per_sample or any(structure != structures[0] for structure in structures):
