@@ -5,10 +5,10 @@ command) runs torch's elastic agent, the engine behind torchrun, inside the call
 workers, each runs the stage, and the caller receives rank 0's outcome, so after `trainer.fit(module)`
 returns, `module` holds the trained weights. With `num_nodes=M > 1` the same script runs on every node
 with MASTER_ADDR and MASTER_PORT (node 0's address and a free port) and NODE_RANK set; the nodes meet
-there and node 0 holds global rank 0. `max_restarts` restarts the whole group when a worker dies; the
-restarted workers resume from the newest good checkpoint of the same run folder (trainer/faults.py).
-SIGTERM to the launching process reaches the workers too: they save last.ckpt together and the launching
-process exits with code 143.
+there and node 0 holds global rank 0; the script on every node gets the trained weights back.
+`max_restarts` restarts the whole group when a worker dies; the restarted workers resume from the newest
+good checkpoint of the same run folder (trainer/faults.py). SIGTERM to the launching process reaches
+the workers too: they save last.ckpt together and the launching process exits with code 143.
 
 Workers are started with "spawn": each is a fresh interpreter that re-imports the script (as
 `__mp_main__`) and then unpickles the trainer, module and datamodule. Therefore:
@@ -76,7 +76,8 @@ class WorkerTraceback(Exception):
 
 
 def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
-    """Run `trainer._run(stage, *run_args)` on every process of the job; return rank 0's outcome."""
+    """Run `trainer._run(stage, *run_args)` on every process of the job; return rank 0's outcome (on another
+    node, the outcome of that node's first rank, with the same weights)."""
     strategy = trainer.strategy
     _refuse_unguarded_main(strategy.job_size)
     nproc, num_nodes = strategy.processes_per_node(), strategy.num_nodes
@@ -113,9 +114,12 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
             "check MASTER_ADDR, MASTER_PORT and NODE_RANK on every node."
         ) from err
     shutil.rmtree(workdir, ignore_errors=True)
-    # The reporting rank (rank 0 unless the loop's rank 0 lives elsewhere, as ps's chief) when it ran here.
-    first = returns.get(strategy.reporting_rank, returns.get(node_rank * nproc))
-    return pickle.loads(first) if first is not None else {"result": None}
+    # The reporting rank's (rank 0 unless the loop's rank 0 lives elsewhere, as ps's chief) when it ran on
+    # this node, else this node's first rank that carries a final state (a ps server carries none).
+    outcomes = {rank: pickle.loads(data) for rank, data in sorted(returns.items()) if data is not None}
+    if strategy.reporting_rank in outcomes:
+        return outcomes[strategy.reporting_rank]
+    return next((o for o in outcomes.values() if "state" in o), next(iter(outcomes.values()), {"result": None}))
 
 
 def final_state(trainer: Trainer) -> dict[str, Any]:
@@ -155,14 +159,14 @@ def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:
         if threads:
             torch.set_num_threads(threads)
         trainer, stage, run_args = pickle.loads(payload)
-        outcome = trainer._run(stage, *run_args)
+        outcome = trainer._run(stage, *run_args, hand_back=True)
     except faults.Terminated:
         raise  # SIGTERM: the checkpoint is saved; exit with its code, there is no failure to report
     except BaseException as err:  # noqa: BLE001 - every failure must reach the launching process
         _record_failure(Path(workdir), environment, err)
         # Exit without printing: the launching process shows the first failure once.
         raise SystemExit(1) from None
-    reports = environment.local_rank == 0 or environment.global_rank == trainer.strategy.reporting_rank
+    reports = "state" in outcome or environment.local_rank == 0
     return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL) if reports else None
 
 

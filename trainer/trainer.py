@@ -324,7 +324,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one stage in this process
     def _run(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
-             *loaders: Any, environment: Any = None) -> dict[str, Any]:
+             *loaders: Any, environment: Any = None, hand_back: bool = False) -> dict[str, Any]:
+        """The stage in this process. `hand_back` (a worker the Trainer started): the outcome also carries the
+        final state for the launching script on this node to adopt."""
         strategy = self.strategy
         strategy.setup_environment(environment or strategy.detect_environment())
         if strategy.serve():  # a rank whose role is not the loop (a parameter server) served until the job ended
@@ -354,12 +356,13 @@ class Trainer:
                 self._last_logged_step = self.progress.global_step
             result = self._run_stage(stage, stage_loaders)
             outcome = {"result": result}
-            if strategy.job_size > 1:
+            if hand_back:
                 from trainer import launcher
 
-                # Every rank joins: gathering a split model's weights (pipeline) is a collective.
+                # Every rank joins: gathering a split model's weights (pipeline) is a collective. It leaves the
+                # whole model on every rank, so each node's first rank hands it to the script on its node.
                 state = launcher.final_state(self)
-                if strategy.is_global_zero:
+                if strategy.is_global_zero or strategy.local_rank == 0:
                     outcome["state"] = state
             return outcome
         except BaseException as exception:
