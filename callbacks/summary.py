@@ -128,6 +128,9 @@ class ModelSummary(Callback):
         samples = self._train_samples * trainer.strategy.data_parallel_size if self._train_samples is not None else None
         summary: dict[str, Any] = {"fit wall time (s)": time.perf_counter() - self._fit_start, "train samples": samples,
                                    "train samples/s": samples / train_seconds if samples is not None else None}
+        if trainer.data_wait is not None:
+            share, wait = trainer.data_wait
+            summary["waiting for data"] = f"{share:.0%} of the first training batches' time ({wait * 1e3:.2f} ms a batch)"
         for callback in trainer.checkpoint_callbacks:
             monitor = getattr(callback, "monitor", None)
             if monitor is not None:

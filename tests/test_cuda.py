@@ -7,6 +7,7 @@ DistributedSampler order, as in test_loop.py).
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -142,3 +143,22 @@ def test_dp_on_one_gpu_warns_and_trains_on_it(tmp_path):
     trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
     assert module.batch_devices == {"cuda:0"}
     assert_close(module.net, reference(2))
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.samples = data()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        time.sleep(0.002)
+        return self.samples[index]
+
+
+def test_a_gpu_run_that_waits_for_data_is_told_how_many_loader_workers_to_use(tmp_path):
+    trainer = Trainer(max_epochs=1, accelerator="cuda", default_root_dir=str(tmp_path), **QUIET)
+    with pytest.warns(UserWarning, match=r"training waited for its dataloader \d+% of the time .* with num_workers=0; "
+                                         r"num_workers=\d+ would load batches while the GPU steps"):
+        trainer.fit(Net(), DataLoader(SlowSamples(), batch_size=4))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -17,8 +18,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
+from callbacks import ModelSummary
 from trainer import Trainer, TrainModule
-from trainer.data import merge_prediction_shares, prepare_loader, samples_in_batches
+from trainer.data import (
+    data_wait_advice,
+    measure_data_wait,
+    merge_prediction_shares,
+    prepare_loader,
+    samples_in_batches,
+    worker_oversubscription,
+)
+from trainer.environment import ClusterEnvironment
+from trainer.strategies.single import SingleDeviceStrategy
 
 SEED = 7
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -317,3 +328,80 @@ def test_predictions_without_one_row_per_sample_come_batch_by_batch_with_a_warni
     assert actual == [shares[0][0], shares[1][0], shares[0][1], shares[1][1]]
     with pytest.warns(UserWarning, match="one row per sample"):  # a per-batch summary, not per-sample rows
         merged(loader, 2, lambda batch: batch[0].sum(0))
+
+
+# --------------------------------------------------------------------------- loader workers
+
+
+def paced(items: int, fetch_s: float = 0.0, first_s: float = 0.0):
+    for index in range(items):
+        time.sleep(first_s if index == 0 else fetch_s)
+        yield index
+
+
+def consume(batches, step_s: float = 0.0) -> list:
+    taken = []
+    for batch in batches:
+        taken.append(batch)
+        time.sleep(step_s)
+    return taken
+
+
+def test_measured_data_wait_is_the_share_of_time_spent_fetching_after_the_first_batch():
+    reports = []
+    assert consume(measure_data_wait(paced(12, fetch_s=0.01), lambda *r: reports.append(r), window=5)) == list(range(12))
+    [(share, wait)] = reports
+    assert share > 0.8 and 0.009 < wait < 0.05
+    reports.clear()
+    consume(measure_data_wait(paced(12, first_s=0.2), lambda *r: reports.append(r), window=5), step_s=0.01)
+    [(share, wait)] = reports  # the slow first batch (workers starting) is not counted
+    assert share < 0.2 and wait < 0.002
+
+
+def test_data_wait_advice_asks_for_the_workers_a_gpu_process_can_use(monkeypatch):
+    monkeypatch.setattr("trainer.data.usable_cores", lambda: 8)
+    advice = data_wait_advice(0.6, 0.01, num_workers=0, local_processes=2, device_type="cuda")
+    assert advice is not None and "60% of the time" in advice and "num_workers=0; num_workers=4 would" in advice
+    assert data_wait_advice(0.6, 0.01, num_workers=4, local_processes=2, device_type="cuda") is None  # has them
+    assert data_wait_advice(0.1, 0.01, num_workers=0, local_processes=2, device_type="cuda") is None  # not data-bound
+    assert data_wait_advice(0.6, 0.0001, num_workers=0, local_processes=1, device_type="cuda") is None  # too cheap
+    assert data_wait_advice(0.9, 0.01, num_workers=0, local_processes=1, device_type="cpu") is None  # no idle cores
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch, about the real cores
+def test_loader_workers_of_all_processes_on_a_node_are_counted_against_its_cores(monkeypatch):
+    monkeypatch.setattr("trainer.data.usable_cores", lambda: 4)
+    loader = DataLoader(regression_data(8), num_workers=3)
+    warning = worker_oversubscription(loader, "training", local_processes=2)
+    assert warning == ("the training dataloader's num_workers=3 on each of 2 process(es) on this node starts 6 loader "
+                       "processes for 4 CPU core(s), which then take turns with training; num_workers=2 fits this machine.")
+    assert worker_oversubscription(DataLoader(regression_data(8), num_workers=2), "training", 2) is None
+    # More than the cores in one process: torch's DataLoader already says so.
+    assert worker_oversubscription(DataLoader(regression_data(8), num_workers=5), "training", 2) is None
+
+
+def test_fit_warns_about_workers_that_the_nodes_processes_start_together(monkeypatch, tmp_path):
+    monkeypatch.setattr("trainer.data.usable_cores", lambda: 2)
+    monkeypatch.setattr(SingleDeviceStrategy, "detect_environment", lambda self: ClusterEnvironment("local", local_world_size=2))
+    trainer = Trainer(max_epochs=1, limit_train_batches=2, default_root_dir=str(tmp_path), **QUIET)
+    with pytest.warns(UserWarning, match="num_workers=2 on each of 2 process.*num_workers=1 fits"):
+        trainer.fit(Regressor(), DataLoader(regression_data(16), batch_size=4, num_workers=2))
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int):
+        time.sleep(0.002)
+        return torch.ones(6), torch.ones(1)
+
+
+def test_the_run_summary_says_how_long_training_waited_for_data(tmp_path):
+    summary = ModelSummary()
+    trainer = Trainer(max_epochs=2, callbacks=[summary], default_root_dir=str(tmp_path),
+                      **{**QUIET, "enable_model_summary": True})
+    trainer.fit(Regressor(), DataLoader(SlowSamples(), batch_size=2))
+    share, wait = trainer.data_wait
+    assert share > 0.5 and wait >= 0.004  # two samples of 2 ms, on a step of microseconds
+    assert summary.run_summary["waiting for data"].startswith(f"{share:.0%} of the first training batches' time")

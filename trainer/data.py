@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from trainer.environment import usable_cores
 from trainer.errors import MisconfigurationError
 from trainer.module import HyperparametersMixin
 
@@ -234,6 +236,73 @@ def skip_batches(loader: DataLoader, count: int) -> bool:
         loader.batch_sampler.skip = count
         return True
     return count == 0
+
+
+# --------------------------------------------------------------------------- loader workers
+
+#: Training batches timed once per fit, after the first (which also pays for starting the workers).
+DATA_WAIT_WINDOW = 20
+#: Waiting for data this share of the training time, and this many seconds a batch, is worth more workers.
+DATA_BOUND_SHARE, DATA_BOUND_WAIT_S = 0.2, 0.001
+
+
+def workers_per_process(local_processes: int) -> int:
+    """Loader workers per training process that give each worker on this node a core of its own."""
+    return max(1, usable_cores() // max(1, local_processes))
+
+
+def worker_oversubscription(loader: DataLoader, what: str, local_processes: int) -> str | None:
+    """A warning when `loader`'s workers, started by each of this node's processes, outnumber its cores.
+
+    torch's DataLoader warns when one process's workers do; this is the case it cannot see, several processes
+    whose workers fit the cores one by one but not together.
+    """
+    fitting = workers_per_process(local_processes)
+    if loader.num_workers <= fitting or loader.num_workers > usable_cores():
+        return None
+    return (f"the {what} dataloader's num_workers={loader.num_workers} on each of {local_processes} process(es) "
+            f"on this node starts {loader.num_workers * local_processes} loader processes for {usable_cores()} CPU "
+            f"core(s), which then take turns with training; num_workers={fitting} fits this machine.")
+
+
+def data_wait_advice(share: float, wait: float, num_workers: int, local_processes: int, device_type: str) -> str | None:
+    """A warning when training waited for its batches (`share` of the time, `wait` seconds a batch) and more
+    workers could load them meanwhile: where a GPU computes, so the process's cores idle during a step. On
+    a CPU the steps already use every core, and workers would only take them away."""
+    fitting = workers_per_process(local_processes)
+    if device_type != "cuda" or share < DATA_BOUND_SHARE or wait < DATA_BOUND_WAIT_S or num_workers >= fitting:
+        return None
+    return (f"training waited for its dataloader {share:.0%} of the time ({wait * 1e3:.1f} ms a batch, over its "
+            f"first batches) with num_workers={num_workers}; num_workers={fitting} would load batches while the "
+            "GPU steps.")
+
+
+def measure_data_wait(batches: Iterator[Any], report: Callable[[float, float], None],
+                      window: int = DATA_WAIT_WINDOW) -> Iterator[Any]:
+    """`batches` unchanged; once batches 1..window have been consumed, `report(share of the wall time spent
+    waiting for them, seconds waited per batch)`. Later batches come straight from `batches`: nothing of
+    this runs between them."""
+    return itertools.chain(_timed_head(batches, window, report), batches)
+
+
+_EXHAUSTED = object()
+
+
+def _timed_head(batches: Iterator[Any], window: int, report: Callable[[float, float], None]) -> Iterator[Any]:
+    for batch in batches:  # batch 0, untimed
+        yield batch
+        break
+    started, waited, measured = time.perf_counter(), 0.0, 0
+    while measured < window:
+        asked = time.perf_counter()
+        batch = next(batches, _EXHAUSTED)
+        if batch is _EXHAUSTED:
+            break
+        waited += time.perf_counter() - asked
+        measured += 1
+        yield batch
+    if measured:
+        report(waited / (time.perf_counter() - started), waited / measured)
 
 
 def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list[Any]:

@@ -193,6 +193,11 @@ def node_rendezvous(env: Mapping[str, str] | None = None) -> tuple[str, int, int
     return env["MASTER_ADDR"], _int(env, "MASTER_PORT"), _int(env, "NODE_RANK")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, which SLURM and containers narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def find_free_port() -> int:
     """A TCP port free on this host right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -53,7 +53,13 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer import faults
-from trainer.environment import ClusterEnvironment, detect_environment, find_free_port, node_rendezvous
+from trainer.environment import (
+    ClusterEnvironment,
+    detect_environment,
+    find_free_port,
+    node_rendezvous,
+    usable_cores,
+)
 from trainer.errors import MisconfigurationError
 from trainer.loop import Progress
 
@@ -88,7 +94,7 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     payload = _pickle_job(trainer, stage, run_args)
     workdir = Path(tempfile.mkdtemp(prefix="trainer-launch-"))
     config, node_rank = _launch_config(trainer, nproc, num_nodes, workdir)
-    threads = 0 if "OMP_NUM_THREADS" in os.environ else max(1, _cores() // nproc)
+    threads = 0 if "OMP_NUM_THREADS" in os.environ else max(1, usable_cores() // nproc)
     try:
         with _restored_process_state(), _quiet_agent_logs():
             os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -257,10 +263,6 @@ def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) 
         **options,
     )
     return config, node_rank
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @contextlib.contextmanager

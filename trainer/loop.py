@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.data import merge_prediction_shares, set_epoch, skip_batches
+from trainer.data import data_wait_advice, measure_data_wait, merge_prediction_shares, set_epoch, skip_batches
 from trainer.errors import MisconfigurationError
 from trainer.faults import StepGuard
 from trainer.optim import step_scheduler
@@ -83,6 +85,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
 
     trainer.call("on_train_start")
     max_epochs = config.resolved_max_epochs()
+    watch_data = True  # in the first epoch of this fit: how long the steps wait for their batches
     while not _done(trainer, max_epochs):
         module.train()
         set_epoch(train_loader, progress.epoch)
@@ -91,7 +94,10 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         trainer.metrics.stage, trainer.metrics.in_step = "train", True
         trainer.call("on_train_epoch_start")
         finished = False
-        for batch_idx, batch, is_last in _epoch_batches(train_loader, progress.epoch_batches, num_batches):
+        batches = _epoch_batches(train_loader, progress.epoch_batches, num_batches)
+        if watch_data:
+            batches, watch_data = measure_data_wait(batches, functools.partial(_report_data_wait, trainer)), False
+        for batch_idx, batch, is_last in batches:
             train_step(batch, batch_idx, is_last)
             finished = is_last and progress.epoch_batches == batch_idx + 1
             # The last batch (or the step that reaches max_steps) validates after the loop, once.
@@ -123,6 +129,16 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
         progress.epoch, progress.epoch_batches, progress.epoch_done = progress.epoch + 1, 0, False
     trainer.call("on_train_end")
+
+
+def _report_data_wait(trainer: Trainer, share: float, wait: float) -> None:
+    """Keep the measured wait for the run summary; on rank 0, say when more loader workers would help."""
+    trainer.data_wait = (share, wait)
+    strategy = trainer.strategy
+    advice = data_wait_advice(share, wait, trainer.train_dataloader.num_workers, strategy.environment.local_world_size,
+                              strategy.root_device.type)
+    if advice is not None and trainer.is_global_zero:
+        warnings.warn(advice, stacklevel=2)
 
 
 def _val_every(interval: int | float, num_batches: int | float) -> int | float:

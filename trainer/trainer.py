@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from callbacks.base import Callback
 from trainer import faults
 from trainer.checkpoint import build_checkpoint, restore_checkpoint
 from trainer.config import TrainerConfig, make_config, save_run_config
-from trainer.data import DataModule, as_loader_list
+from trainer.data import DataModule, as_loader_list, worker_oversubscription
 from trainer.errors import MisconfigurationError
 from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogger, next_version
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
@@ -26,6 +27,7 @@ from trainer.rng import seed_everything
 from trainer.strategies import Strategy, build_strategy
 
 STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+STAGE_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
 class Trainer:
@@ -59,6 +61,8 @@ class Trainer:
         self.stage: str | None = None
         self.train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
         self.num_training_batches = 0
+        #: (share of the time, seconds a batch) the fit waited for training batches, measured on its first ones.
+        self.data_wait: tuple[float, float] | None = None
         self._last_logged_step = -1
         self._hook_targets: dict[str, tuple[list[Any], Any]] = {}  # hook -> (callback methods, module method)
         #: The resolved recipe (set by the `trainer` command); rank 0 saves it as config.yaml in the run folder.
@@ -423,8 +427,15 @@ class Trainer:
             if len(train) != 1:
                 raise MisconfigurationError("fit takes exactly one training DataLoader.")
             val = as_loader_list(loaders[1] if len(loaders) > 1 else None, "val_dataloaders")
-            return [self.strategy.prepare_loader(train[0], True, seed)] + [self.strategy.prepare_loader(v, False, seed) for v in val]
-        return [self.strategy.prepare_loader(loader, False, seed) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
+            named = [("training", train[0])] + [("validation", v) for v in val]
+        else:
+            named = [(STAGE_NAMES[stage], loader) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
+        prepared = [self.strategy.prepare_loader(loader, what == "training", seed) for what, loader in named]
+        for (what, _), loader in zip(named, prepared) if self.is_global_zero else ():
+            warning = worker_oversubscription(loader, what, self.strategy.environment.local_world_size)
+            if warning is not None:
+                warnings.warn(warning, stacklevel=3)
+        return prepared
 
     def _setup_optimizers(self, module: TrainModule) -> None:
         optimizers, schedulers = parse_optimizers(module.configure_optimizers())
