@@ -130,7 +130,7 @@ class ModelSummary(Callback):
                                    "train samples/s": samples / train_seconds if samples is not None else None}
         if trainer.data_wait is not None:
             share, wait = trainer.data_wait
-            summary["waiting for data"] = f"{share:.0%} of the first training batches' time ({wait * 1e3:.2f} ms a batch)"
+            summary["waiting for data"] = f"{share:.0%} of the time, {wait * 1e3:.2f} ms a batch (first batches)"
         for callback in trainer.checkpoint_callbacks:
             monitor = getattr(callback, "monitor", None)
             if monitor is not None:

@@ -404,4 +404,4 @@ def test_the_run_summary_says_how_long_training_waited_for_data(tmp_path):
     trainer.fit(Regressor(), DataLoader(SlowSamples(), batch_size=2))
     share, wait = trainer.data_wait
     assert share > 0.5 and wait >= 0.004  # two samples of 2 ms, on a step of microseconds
-    assert summary.run_summary["waiting for data"].startswith(f"{share:.0%} of the first training batches' time")
+    assert summary.run_summary["waiting for data"] == f"{share:.0%} of the time, {wait * 1e3:.2f} ms a batch (first batches)"
