@@ -7,7 +7,7 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -24,6 +24,9 @@ from torch.utils.data import (
 from trainer.environment import usable_cores
 from trainer.errors import MisconfigurationError
 from trainer.module import HyperparametersMixin
+
+if TYPE_CHECKING:
+    from trainer.strategies.base import Strategy
 
 
 class DataModule(HyperparametersMixin):
@@ -371,3 +374,35 @@ def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
     if isinstance(loaders, (list, tuple)) and all(isinstance(item, DataLoader) for item in loaders):
         return list(loaders)
     raise MisconfigurationError(f"{what} must be a DataLoader or a list of them, got {type(loaders).__name__}.")
+
+
+STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+_LOADER_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
+
+
+def stage_loaders(strategy: Strategy, stage: str, datamodule: DataModule | None, loaders: tuple[Any, ...],
+                  seed: int) -> list[DataLoader]:
+    """The stage's loaders (for fit: training first, then validation), from `loaders` or the datamodule, each
+    prepared for this rank by `strategy`. Rank 0 warns about workers that the node's processes start together
+    beyond its cores."""
+    if datamodule is not None:
+        if strategy.local_rank == 0:
+            datamodule.prepare_data()
+        strategy.barrier("prepare_data")
+        datamodule.setup(stage)
+        names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
+        loaders = tuple(getattr(datamodule, name)() for name in names)
+    if stage == "fit":
+        train = as_loader_list(loaders[0], "train_dataloaders")
+        if len(train) != 1:
+            raise MisconfigurationError("fit takes exactly one training DataLoader.")
+        val = as_loader_list(loaders[1] if len(loaders) > 1 else None, "val_dataloaders")
+        named = [("training", train[0])] + [("validation", v) for v in val]
+    else:
+        named = [(_LOADER_NAMES[stage], loader) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
+    prepared = [strategy.prepare_loader(loader, what == "training", seed) for what, loader in named]
+    for (what, _), loader in zip(named, prepared) if strategy.is_global_zero else ():
+        warning = worker_oversubscription(loader, what, strategy.environment.local_world_size)
+        if warning is not None:
+            warnings.warn(warning, stacklevel=4)
+    return prepared

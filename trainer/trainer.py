@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from callbacks.base import Callback
 from trainer import faults
 from trainer.checkpoint import build_checkpoint, restore_checkpoint
 from trainer.config import TrainerConfig, make_config, save_run_config
-from trainer.data import DataModule, as_loader_list, worker_oversubscription
+from trainer.data import DataModule, stage_loaders
 from trainer.errors import MisconfigurationError
 from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogger, next_version
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
@@ -25,9 +24,6 @@ from trainer.module import TrainModule
 from trainer.optim import LRScaler, SchedulerConfig, parse_optimizers
 from trainer.rng import seed_everything
 from trainer.strategies import Strategy, build_strategy
-
-STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
-STAGE_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
 class Trainer:
@@ -345,7 +341,7 @@ class Trainer:
         try:
             checkpoint = faults.load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
-            stage_loaders = self._stage_loaders(stage, datamodule, loaders)
+            prepared = stage_loaders(strategy, stage, datamodule, loaders, self.config.seed or 0)
             strategy.setup_module(module)
             if stage == "fit":
                 self._setup_optimizers(module)
@@ -358,7 +354,7 @@ class Trainer:
                 # The checkpoint's step was already written (if due) before it was saved; a micro-batch
                 # that follows it without stepping must not write a second row for the same step.
                 self._last_logged_step = self.progress.global_step
-            result = self._run_stage(stage, stage_loaders)
+            result = self._run_stage(stage, prepared)
             outcome = {"result": result}
             if hand_back:
                 from trainer import launcher
@@ -411,31 +407,6 @@ class Trainer:
                 logger.log_hyperparams(dict(self.module.hparams))
         if self.is_global_zero and self.run_config is not None and not self.config.fast_dev_run:
             save_run_config(self.log_dir / "config.yaml", self.run_config)
-
-    def _stage_loaders(self, stage: str, datamodule: DataModule | None, loaders: tuple[Any, ...]) -> list[DataLoader]:
-        """The stage's loaders (train first, then val, for fit), prepared for this rank."""
-        if datamodule is not None:
-            if self.strategy.local_rank == 0:
-                datamodule.prepare_data()
-            self.strategy.barrier("prepare_data")
-            datamodule.setup(stage)
-            names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
-            loaders = tuple(getattr(datamodule, name)() for name in names)
-        seed = self.config.seed or 0
-        if stage == "fit":
-            train = as_loader_list(loaders[0], "train_dataloaders")
-            if len(train) != 1:
-                raise MisconfigurationError("fit takes exactly one training DataLoader.")
-            val = as_loader_list(loaders[1] if len(loaders) > 1 else None, "val_dataloaders")
-            named = [("training", train[0])] + [("validation", v) for v in val]
-        else:
-            named = [(STAGE_NAMES[stage], loader) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
-        prepared = [self.strategy.prepare_loader(loader, what == "training", seed) for what, loader in named]
-        for (what, _), loader in zip(named, prepared) if self.is_global_zero else ():
-            warning = worker_oversubscription(loader, what, self.strategy.environment.local_world_size)
-            if warning is not None:
-                warnings.warn(warning, stacklevel=3)
-        return prepared
 
     def _setup_optimizers(self, module: TrainModule) -> None:
         optimizers, schedulers = parse_optimizers(module.configure_optimizers())
