@@ -17,7 +17,9 @@
                     on_validation_start, on_validation_epoch_start
                     for each batch: on_validation_batch_start, validation_step, on_validation_batch_end
                     on_validation_epoch_end, on_validation_end
-            on_train_epoch_end                       # after the epoch's last validation
+            on_train_epoch_end                       # after the epoch's last validation; callbacks that
+                                                     # monitor logged values (checkpoint, early stopping) last,
+                                                     # after the module's hook, and see what it logged
         on_train_end
         on_fit_end
         teardown(stage="fit")
@@ -30,7 +32,7 @@ rank; a callback that writes files or prints asks `trainer.is_global_zero`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -39,6 +41,10 @@ if TYPE_CHECKING:
 
 class Callback:
     """Override the hooks you need; the trainer passes itself and the module to each."""
+
+    #: Decides from logged values (checkpointing, early stopping): its on_train_epoch_end runs after the
+    #: module's, once what that logged is published, as in Lightning.
+    monitors: ClassVar[bool] = False
 
     @property
     def state_key(self) -> str:

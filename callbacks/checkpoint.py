@@ -34,6 +34,8 @@ class ModelCheckpoint(Callback):
     monitored value is never saved as a top-k one.
     """
 
+    monitors = True
+
     CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"
 

@@ -23,6 +23,8 @@ class EarlyStopping(Callback):
     beats `stopping_threshold`, or is worse than `divergence_threshold`. `patience` counts checks, not epochs.
     """
 
+    monitors = True
+
     def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, mode: str = "min",
                  check_finite: bool = True, stopping_threshold: float | None = None,
                  divergence_threshold: float | None = None, verbose: bool = False, strict: bool = True,

@@ -31,7 +31,8 @@ class LearningRateMonitor(Callback):
         self._last_logged_step = -1
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        if stage == "fit" and not trainer.loggers:
+        # Under fast_dev_run the Trainer, not the user, turned the loggers off: the smoke test runs, logging nothing.
+        if stage == "fit" and not trainer.loggers and not trainer.config.fast_dev_run:
             raise MisconfigurationError("LearningRateMonitor writes to the trainer's loggers, but the Trainer has none; "
                                         "set logger=True (or 'csv', 'tensorboard') or drop the callback.")
 

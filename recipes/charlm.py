@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from recipes import check_loader_args
 from trainer import DataModule, TrainModule
 from trainer.errors import MisconfigurationError
 
@@ -183,6 +184,7 @@ class CharData(DataModule):
                  val_fraction: float = 0.1, num_workers: int = 0,
                  prompts: tuple[str, ...] = ("def ", "class Parser:\n    ", "import ")) -> None:
         super().__init__()
+        check_loader_args(type(self).__name__, batch_size, num_workers)
         self.save_hyperparameters()
         self.train_set: CharBlocks | None = None
         self.val_set: CharBlocks | None = None

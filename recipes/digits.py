@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from recipes import check_loader_args
 from trainer import DataModule, TrainModule
 
 
@@ -69,6 +70,7 @@ class DigitsData(DataModule):
 
     def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float = 0.2, split_seed: int = 0) -> None:
         super().__init__()
+        check_loader_args(type(self).__name__, batch_size, num_workers)
         self.save_hyperparameters()
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None

@@ -185,6 +185,48 @@ def test_last_ckpt_is_a_second_name_for_the_checkpoint_of_the_same_step(tmp_path
     assert load(last)["loops"]["progress"]["global_step"] == 8
 
 
+class EpochEndScored(Scripted):
+    """Logs its score in on_train_epoch_end, and counts the epochs it ended in a buffer (saved state)."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.epoch_scores = scores
+        self.register_buffer("epochs_ended", torch.zeros(()))
+
+    def on_train_epoch_end(self):
+        self.epochs_ended += 1
+        self.log("epoch_score", self.epoch_scores[self.current_epoch])
+
+
+def test_monitors_run_after_the_modules_on_train_epoch_end_and_see_what_it_logged(tmp_path):
+    checkpoint = ModelCheckpoint(monitor="epoch_score", save_top_k=1, save_last=True, filename="{epoch}")
+    stopper = EarlyStopping("epoch_score", patience=2)
+    module = EpochEndScored([0.3, 0.1, 0.2, 0.4, 0.5])
+    make_trainer(tmp_path, [checkpoint, stopper], max_epochs=5).fit(module, loaders()[0])
+    assert stopper.stopped_epoch == 3  # 0.2 and 0.4 do not beat 0.1
+    assert checkpoint_names(checkpoint.dirpath) == {"epoch=1.ckpt", "last.ckpt"}
+    # Each checkpoint holds what the module's hook changed at that epoch's end.
+    assert float(load(checkpoint.best_model_path)["state_dict"]["epochs_ended"]) == 2
+    assert float(load(checkpoint.last_model_path)["state_dict"]["epochs_ended"]) == 4
+
+
+def test_last_after_a_fit_is_this_runs_newest_checkpoint_never_an_older_runs(tmp_path):
+    make_trainer(tmp_path, [ModelCheckpoint(save_last=True)], max_epochs=1).fit(Scripted(), loaders()[0])
+    checkpoint = ModelCheckpoint(monitor="val/score", save_top_k=1)  # this run writes no last.ckpt
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=2)
+    module = Scripted([0.5, 0.2])
+    trainer.fit(module, *loaders())
+    with torch.no_grad():
+        module.layer.weight.add_(1.0)
+    trainer.test(module, loaders()[1], ckpt_path="last")
+    assert torch.equal(module.layer.weight, load(checkpoint.best_model_path)["state_dict"]["layer.weight"])
+
+    unsaved = make_trainer(tmp_path, max_epochs=1, enable_checkpointing=False)
+    unsaved.fit(Scripted(), loaders()[0])
+    with pytest.raises(MisconfigurationError, match='ckpt_path="last": the run of this Trainer saved no checkpoint'):
+        unsaved.test(ckpt_path="last", dataloaders=loaders()[1])
+
+
 def test_name_collisions_get_version_suffixes(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="fixed", save_top_k=-1)
     make_trainer(tmp_path, [checkpoint], max_epochs=3).fit(Scripted(), *loaders())

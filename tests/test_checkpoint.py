@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks import Callback
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import load_checkpoint_file
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
 
@@ -239,3 +239,135 @@ def test_checkpoint_is_weights_only_loadable(tmp_path):
     assert {"version", "state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "rng", "hparams"} <= set(checkpoint)
     assert checkpoint["hparams"] == {"hidden": 12, "lr": 0.02}
     assert checkpoint["loops"]["progress"]["global_step"] == 5
+
+
+def test_garbage_file_is_a_checkpoint_error_naming_it(tmp_path):
+    # Files that are no zip archive nor pickle: torch's weights-only unpickler fails on them with KeyError,
+    # IndexError, struct.error or an UnpicklingError about an "unsupported operand", not a CheckpointError.
+    (tmp_path / "text.ckpt").write_text("hello world")
+    generator = torch.Generator().manual_seed(0)
+    for index in range(20):
+        noise = torch.randint(0, 256, (64 * (index + 1),), generator=generator, dtype=torch.uint8)
+        noise[0] = ord("!")  # garbage that begins like a pickle (0x80) or a zip ("PK") is another case
+        (tmp_path / f"noise{index}.ckpt").write_bytes(noise.numpy().tobytes())
+    for path in [tmp_path / "text.ckpt", *sorted(tmp_path.glob("noise*.ckpt"))]:
+        message = rf"checkpoint '.*{path.name}' is truncated or corrupt .*neither a zip archive nor a pickle"
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint_file(path)
+        with pytest.raises(CheckpointError, match=message):
+            DropoutRegressor.load_from_checkpoint(path)
+
+
+def test_plain_pickle_with_code_is_still_refused_as_unsafe(tmp_path):
+    import pickle
+
+    path = tmp_path / "pickled.ckpt"  # pickle.dump, not torch.save: no zip archive around it
+    path.write_bytes(pickle.dumps({"state_dict": {}, "payload": Planted(tmp_path / "marker")}, protocol=2))
+    with pytest.raises(CheckpointError, match=r"pickled\.ckpt.*refused") as refused:
+        load_checkpoint_file(path)
+    assert "Unsupported global" in str(refused.value.__cause__)  # refused for the callable, not as garbage
+    assert not (tmp_path / "marker").exists()
+
+
+def save_plain_checkpoint(path: Path, module: TrainModule) -> None:
+    """What load_from_checkpoint reads: the weights and the hparams as the module holds them."""
+    torch.save({"state_dict": module.state_dict(), "hparams": dict(module.hparams)}, path)
+
+
+class Parent(TrainModule):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(6, width)
+
+
+class Child(Parent):
+    """Takes no `width`, but its parent saved one."""
+
+    def __init__(self, depth: int = 2) -> None:
+        super().__init__(width=3)
+        self.save_hyperparameters()
+        self.extra = nn.Linear(3, depth)
+
+
+class Forwarding(Parent):
+    """Takes any keyword, forwarded to a parent that takes only `width`."""
+
+    def __init__(self, depth: int = 2, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        self.hparams.note = "set after save_hyperparameters"
+
+
+class Swallowing(TrainModule):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.seen = dict(options)
+
+
+def test_load_from_checkpoint_passes_only_the_hparams_init_takes(tmp_path):
+    child = Child(depth=5)
+    child.hparams.extra_note = 2  # set after save_hyperparameters, as Lightning users do
+    assert dict(child.hparams) == {"width": 3, "depth": 5, "extra_note": 2}
+    save_plain_checkpoint(tmp_path / "child.ckpt", child)
+    loaded = Child.load_from_checkpoint(tmp_path / "child.ckpt")
+    assert loaded.extra.out_features == 5
+    assert_same_weights(loaded, child)
+
+    # **kwargs that reach a parent taking only `width`: the keys of the whole chain pass, no others.
+    forwarding = Forwarding(depth=1, width=7)
+    assert dict(forwarding.hparams) == {"width": 7, "depth": 1, "note": "set after save_hyperparameters"}
+    save_plain_checkpoint(tmp_path / "forwarding.ckpt", forwarding)
+    loaded = Forwarding.load_from_checkpoint(tmp_path / "forwarding.ckpt")
+    assert loaded.layer.out_features == 7
+    # Overrides win over the saved values.
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        Forwarding.load_from_checkpoint(tmp_path / "forwarding.ckpt", width=8)
+
+    # An __init__ that takes any keyword gets every saved key.
+    swallowing = Swallowing(a=1, b="two")
+    save_plain_checkpoint(tmp_path / "swallowing.ckpt", swallowing)
+    assert Swallowing.load_from_checkpoint(tmp_path / "swallowing.ckpt", b=3).seen == {"a": 1, "b": 3}
+
+    with pytest.raises(MisconfigurationError, match=r"Child does not take 'dept' \(did you mean 'depth'\?\); it takes depth"):
+        Child.load_from_checkpoint(tmp_path / "child.ckpt", dept=3)
+
+
+class Activated(DropoutRegressor):
+    """An hparam that is a module: checkpoints can only hold its repr."""
+
+    def __init__(self, hidden: int = 16, lr: float = 0.01, act: nn.Module | None = None) -> None:
+        super().__init__(hidden, lr)
+        self.save_hyperparameters()
+        self.net[1] = act if act is not None else nn.ReLU()
+
+
+def test_hparams_that_are_not_plain_warn_once_and_must_be_passed_again(tmp_path):
+    torch.manual_seed(0)
+    module = Activated(hidden=5, act=nn.Tanh())
+    trainer = Trainer(max_epochs=1, logger=False, **QUIET)
+    with pytest.warns(UserWarning, match=r"hparams\['act'\] holds Tanh.*repr 'Tanh\(\)'.*"
+                                         r"Activated.load_from_checkpoint\(path, act=...\).*ignore=\['act'\]") as caught:
+        trainer.fit(module, DataLoader(regression_data(), batch_size=8))
+        trainer.save_checkpoint(tmp_path / "a.ckpt")
+        trainer.save_checkpoint(tmp_path / "b.ckpt")
+    assert sum("hparams['act']" in str(w.message) for w in caught) == 1
+
+    checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    assert checkpoint["hparams"] == {"hidden": 5, "lr": 0.01, "act": "Tanh()"}
+    assert checkpoint["hparams_repr"] == ["act"]
+    with pytest.raises(MisconfigurationError, match=r"a\.ckpt' holds hparams\['act'\] only as its repr 'Tanh\(\)'.*"
+                                                    r"Activated.load_from_checkpoint\(path, act=...\)"):
+        Activated.load_from_checkpoint(tmp_path / "a.ckpt")
+    loaded = Activated.load_from_checkpoint(tmp_path / "a.ckpt", act=nn.Tanh())
+    assert isinstance(loaded.net[1], nn.Tanh) and loaded.hparams.hidden == 5
+    assert_same_weights(loaded, module)
+
+    # Plain hparams are recorded as such, and a checkpoint from before the record loads as it did.
+    trained_checkpoint(tmp_path / "plain.ckpt")
+    checkpoint = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    assert checkpoint["hparams_repr"] == []
+    del checkpoint["hparams_repr"]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    assert dict(DropoutRegressor.load_from_checkpoint(tmp_path / "old.ckpt").hparams) == {"hidden": 12, "lr": 0.02}

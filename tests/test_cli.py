@@ -184,6 +184,32 @@ def test_new_class_path_drops_the_old_init_args(recipes_here):
     assert recipe.model.init_args == {"depth": 2, "width": 4, "lr": 0.1}  # DigitsCNN's lr=0.01 is gone
 
 
+def test_new_class_path_drops_the_old_init_args_of_a_callback(recipes_here):
+    checkpoint_args = ["callbacks.0.init_args.save_last=true", "callbacks.0.init_args.monitor=val/loss"]
+    recipe = load_recipe(["good.yaml", *checkpoint_args, "callbacks.0.class_path=callbacks.EarlyStopping",
+                          "callbacks.0.init_args.monitor=val/loss", "callbacks.0.init_args.patience=5"])
+    early_stopping = recipe.callbacks[0].instantiate()
+    assert type(early_stopping).__name__ == "EarlyStopping"
+    assert "save_last" not in recipe.callbacks[0].init_args
+    assert (early_stopping.monitor, early_stopping.mode, early_stopping.patience) == ("val/loss", "min", 5)
+    # The whole entry at once, too; naming the same class keeps its arguments.
+    recipe = load_recipe(["good.yaml", *checkpoint_args,
+                          "callbacks.0={class_path: callbacks.EarlyStopping, init_args: {monitor: val/acc}}"])
+    assert recipe.callbacks[0].instantiate().mode == "min"
+    recipe = load_recipe(["good.yaml", *checkpoint_args, "callbacks.0.class_path=callbacks.ModelCheckpoint"])
+    assert recipe.callbacks[0].init_args["save_last"] is True and recipe.callbacks[0].init_args["mode"] == "max"
+
+
+def test_corrupt_ckpt_path_is_one_line_exit_2(recipes_here, capsys):
+    (recipes_here / "junk.ckpt").write_text("hello world")
+    (recipes_here / "noise.ckpt").write_bytes(bytes(range(7, 256)) * 4)
+    for name in ("junk.ckpt", "noise.ckpt"):
+        assert main(["test", "good.yaml", f"ckpt_path={name}", "trainer.enable_progress_bar=false"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"trainer test: error: checkpoint '{name}' is truncated or corrupt and cannot be read (it is "
+                       "neither a zip archive nor a pickle).\n")
+
+
 def test_list_entries_take_dotted_overrides(recipes_here):
     recipe = load_recipe(["good.yaml", "callbacks.0.init_args.monitor=val/loss", "callbacks.0.init_args.mode=min"])
     assert recipe.callbacks[0].init_args["monitor"] == "val/loss"

@@ -176,3 +176,17 @@ def test_bad_configure_optimizers_return():
 
     with pytest.raises(MisconfigurationError, match="ReduceLROnPlateau needs a 'monitor' key"):
         fit(PlateauWithoutMonitor())
+
+
+def test_learning_rate_monitor_does_nothing_under_fast_dev_run(tmp_path):
+    from callbacks import LearningRateMonitor
+
+    # fast_dev_run turned the loggers off, not the user: the smoke test runs, and writes nothing.
+    trainer = Trainer(fast_dev_run=True, callbacks=[LearningRateMonitor()], enable_progress_bar=False,
+                      enable_model_summary=False, accelerator="cpu")
+    trainer.fit(Tiny(), loader())
+    assert trainer.global_step == 1 and trainer.loggers == []
+    assert not list(tmp_path.iterdir())
+    # Without fast_dev_run, a monitor with nowhere to write is still a mistake.
+    with pytest.raises(MisconfigurationError, match="LearningRateMonitor writes to the trainer's loggers"):
+        fit(Tiny(), callbacks=[LearningRateMonitor()])

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from callbacks import Callback
 from trainer import Trainer, TrainModule
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
@@ -94,8 +95,10 @@ def test_validation_metric_is_computed_over_the_whole_set(datasets):
     assert results[0]["val_loss"] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-6)
 
 
-def test_train_epoch_values_and_names(datasets):
-    module, trainer = fit_classifier(datasets, logger=False)
+# 1: a validation after every training batch, which must leave the training epoch's running values alone.
+@pytest.mark.parametrize("val_check_interval", [1.0, 1])
+def test_train_epoch_values_and_names(datasets, val_check_interval):
+    module, trainer = fit_classifier(datasets, logger=False, val_check_interval=val_check_interval)
     last_epoch = [row for row in module.seen if row[0] == 1]
     assert [row[3] for row in last_epoch] == [8, 8, 4]
     weighted = sum(loss * size for _, loss, _, size in last_epoch) / 20
@@ -165,3 +168,23 @@ def test_explicit_batch_size_weights_the_mean():
     data = DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2)
     results = Trainer(logger=False, **QUIET).validate(ExplicitBatchSize(), data)
     assert results == [{"weighted": pytest.approx(17.5), "largest": 20.0}]
+
+
+class EpochValues(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.seen.append((trainer.current_epoch, float(trainer.callback_metrics["seen"])))
+
+
+def test_a_run_stopped_mid_epoch_by_max_steps_resumes_with_the_epochs_running_values(datasets, tmp_path):
+    train, _ = datasets  # 20 samples: batches of 8, 8, 4
+    options = dict(**QUIET, logger=False, default_root_dir=str(tmp_path))
+    options["enable_checkpointing"] = True
+    first = EpochValues()
+    Trainer(max_steps=2, callbacks=[first], **options).fit(Classifier(), DataLoader(train, batch_size=8))
+    resumed = EpochValues()
+    Trainer(max_steps=6, callbacks=[resumed], **options).fit(Classifier(), DataLoader(train, batch_size=8), ckpt_path="last")
+    assert first.seen == [(0, 16.0)]  # what the stopped run had seen of epoch 0
+    assert resumed.seen == [(0, 20.0), (1, 20.0)]  # epoch 0 whole, as if never stopped

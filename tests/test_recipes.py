@@ -121,6 +121,17 @@ def test_charlm_trains_and_predict_prints_sampled_text(tmp_path, capsys):
     assert capsys.readouterr().out == printed  # trainer.seed makes sampling repeatable
 
 
+@pytest.mark.parametrize(("recipe", "override", "message"), [
+    (DIGITS, "data.init_args.batch_size=0", "DigitsData: batch_size=0 must be at least 1 (data.init_args.batch_size in a recipe)."),
+    (CHARLM, "data.init_args.batch_size=-4", "CharData: batch_size=-4 must be at least 1 (data.init_args.batch_size in a recipe)."),
+    (DIGITS, "data.init_args.num_workers=-1", "DigitsData: num_workers=-1 must be 0 or more (data.init_args.num_workers in a recipe)."),
+])
+def test_loader_arguments_torch_refuses_are_one_line_before_anything_runs(tmp_path, capsys, recipe, override, message):
+    assert main(["fit", recipe, override, *QUIET]) == 2
+    assert capsys.readouterr().err == f"trainer fit: error: {message}\n"
+    assert not (tmp_path / "runs").exists()
+
+
 def test_charlm_splits_into_embed_blocks_head():
     torch.manual_seed(0)
     model = CharLM(block_size=16, width=32, layers=3, heads=4).eval()

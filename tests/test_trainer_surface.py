@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback, ModelCheckpoint
 from trainer import DataModule, Trainer, TrainModule
+from trainer.errors import MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
              accelerator="cpu")
@@ -43,7 +45,7 @@ class Counting(TrainModule):
         self.calls["train"] += 1
         return F.mse_loss(self(batch[0]), batch[1])
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
         self.calls["val"] += 1
         self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
 
@@ -91,6 +93,37 @@ def test_validate_and_test_return_metric_dicts_and_predict_keeps_order(tmp_path)
     with torch.no_grad():
         module.layer.weight.add_(10.0)
     assert trainer.test(module, loader(batch_size=6), ckpt_path=tmp_path / "a.ckpt") == [tested]
+
+
+class Logits(TrainModule):
+    """TrainModule's own predict_step; a validation_step that does not take dataloader_idx."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+
+def test_several_evaluation_loaders_keep_their_metrics_apart_as_in_lightning():
+    module, trainer = Counting(), Trainer(**QUIET)
+    sets = [dataset(20), TensorDataset(torch.randn(10, 3), torch.randn(10, 1))]
+    with torch.no_grad():
+        expected = [float(F.mse_loss(module(data.tensors[0]), data.tensors[1])) for data in sets]
+    results = trainer.validate(module, [DataLoader(data, batch_size=6) for data in sets])
+    assert results == [{"val_loss/dataloader_idx_0": pytest.approx(expected[0], rel=1e-5)},
+                       {"val_loss/dataloader_idx_1": pytest.approx(expected[1], rel=1e-5)}]
+    inputs = [data.tensors[0] for data in sets]
+    predictions = trainer.predict(Logits(), [DataLoader(x, batch_size=8) for x in inputs])  # the default step
+    assert [len(batches) for batches in predictions] == [3, 2]
+    with pytest.raises(MisconfigurationError, match=r"2 dataloaders were given, but Logits.validation_step takes no "
+                                                    r"dataloader_idx; define it as validation_step\(self, batch, "
+                                                    r"batch_idx, dataloader_idx=0\)"):
+        trainer.validate(Logits(), [DataLoader(data, batch_size=6) for data in sets])
 
 
 def test_fast_dev_run_runs_one_batch_and_writes_nothing(tmp_path):
@@ -146,6 +179,19 @@ def test_max_steps_stops_exactly(accumulate, max_steps, batches):
     trainer.fit(module, loader())
     assert trainer.global_step == max_steps
     assert module.calls["train"] == batches
+
+
+class SkipsFromThirdBatch(Counting):
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 2 else None
+
+
+def test_on_train_batch_start_returning_minus_one_skips_the_rest_of_that_epoch_only():
+    module, validations = SkipsFromThirdBatch(), CountValidations()
+    trainer = Trainer(max_epochs=3, callbacks=[validations], num_sanity_val_steps=0, **QUIET)
+    trainer.fit(module, loader(), loader())
+    assert module.calls["train"] == 6 and trainer.global_step == 6  # batches 0 and 1 of each of the 3 epochs
+    assert trainer.current_epoch == 3 and validations.at == [(0, 2), (1, 4), (2, 6)]  # each epoch ended and validated
 
 
 class StopAtFirstEpochEnd(Callback):
@@ -264,3 +310,29 @@ def test_exception_reaches_callbacks_and_teardown_still_runs():
     with pytest.raises(KeyError, match="boom"):
         Trainer(max_epochs=1, callbacks=[recorder], **QUIET).fit(FailingStep(), loader())
     assert recorder.calls[-2:] == ["on_exception", "teardown"]
+
+
+class ManualSteps(Counting):
+    automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+        optimizer.step()
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"gradient_clip_val": 1.0}, "gradient_clip_val=1.0 (clip in training_step"),
+    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2 (step every n batches"),
+])
+def test_options_that_manual_optimization_would_ignore_are_refused_before_it_starts(options, named):
+    module = ManualSteps()
+    with pytest.raises(MisconfigurationError, match=r"ManualSteps sets automatic_optimization=False.*" + re.escape(named)):
+        Trainer(max_epochs=1, **QUIET, **options).fit(module, loader())
+    assert module.calls["train"] == 0
+
+
+def test_one_callback_may_be_given_without_a_list():
+    checkpoint = ModelCheckpoint(save_last=True)
+    assert Trainer(callbacks=checkpoint, **QUIET).checkpoint_callback is checkpoint

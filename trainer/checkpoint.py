@@ -12,6 +12,8 @@ A checkpoint is a plain dict that `torch.load(weights_only=True)` can read:
     loggers          {index: logger state_dict()}
     rng              one entry per global rank (python, numpy, torch, cuda)
     hparams          the module's saved hyperparameters
+    hparams_repr     the hparams keys stored as their repr (values that are not plain data), which
+                     load_from_checkpoint must be given again; absent from checkpoints written before it
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import struct
+import warnings
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,18 +90,40 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict[st
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
+        if not _starts_like_torch_file(path):  # garbage, whatever opcode the unpickler took its first byte for
+            raise _corrupt(path, err) from err
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds objects that only full unpickling could build, which could run "
             f"arbitrary code, so it was refused ({first_line[:200]}). Save plain tensors and containers."
         ) from err
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is truncated or corrupt and cannot be read ({type(err).__name__})."
-        ) from err
+    # The weights-only unpickler takes any bytes for opcodes and trusts them: on garbage it indexes an
+    # empty stack or memo, unpacks short fields or hashes a list (IndexError, KeyError, struct.error, TypeError).
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, KeyError, IndexError, TypeError,
+            struct.error) as err:
+        raise _corrupt(path, err) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a trainer checkpoint (no 'state_dict' key).")
     return checkpoint
+
+
+def _corrupt(path: Path, err: BaseException) -> CheckpointError:
+    if not _starts_like_torch_file(path):
+        detail = "it is neither a zip archive nor a pickle"  # what the unpickler says about garbage would mislead
+    else:  # torch's reason: a map_location it cannot use lands here too, and says so
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        detail = f"{type(err).__name__}: {reason}" if reason else type(err).__name__
+    return CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt and cannot be read ({detail}).")
+
+
+def _starts_like_torch_file(path: Path) -> bool:
+    """Whether the file begins as torch.save output does: a zip archive, or (legacy format) a pickle."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or head[:1] == pickle.PROTO
 
 
 def strip_prefixes(state_dict: dict[str, torch.Tensor], prefixes: tuple[str, ...] = ("module.", "_orig_mod.")) -> dict[str, torch.Tensor]:
@@ -136,7 +162,7 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         "callbacks": {callback.state_key: callback.state_dict() for callback in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
         "rng": strategy.all_gather_object(rng_state()),
-        "hparams": _plain(dict(trainer.module.hparams)),
+        **_saved_hparams(trainer),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
     }
     trainer.module.on_save_checkpoint(checkpoint)
@@ -184,12 +210,39 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
         set_rng_state(states[trainer.global_rank] if len(states) == trainer.world_size else states[0])
 
 
-def _plain(value: Any) -> Any:
-    """hparams reduced to what weights_only loading accepts (others become their repr)."""
+def _saved_hparams(trainer: Trainer) -> dict[str, Any]:
+    """The checkpoint's `hparams` and `hparams_repr` entries; warns once per key stored as its repr."""
+    module = trainer.module
+    assert module is not None
+    hparams: dict[str, Any] = {}
+    repr_keys: list[str] = []
+    warned: set[str] = module.__dict__.setdefault("_hparams_repr_warned", set())
+    for key, value in module.hparams.items():
+        key = str(key)
+        replaced: list[Any] = []
+        hparams[key] = _plain(value, replaced)
+        if not replaced:
+            continue
+        repr_keys.append(key)
+        if key not in warned and trainer.is_global_zero:
+            warned.add(key)
+            warnings.warn(
+                f"hparams[{key!r}] holds {', '.join(type(v).__name__ for v in replaced)}, which a weights-only "
+                f"checkpoint cannot hold, so checkpoints store its repr {hparams[key]!r}; pass it again when "
+                f"loading: {type(module).__name__}.load_from_checkpoint(path, {key}=...), or leave it out of "
+                f"the hparams with save_hyperparameters(ignore=[{key!r}]).",
+                stacklevel=2,
+            )
+    return {"hparams": hparams, "hparams_repr": repr_keys}
+
+
+def _plain(value: Any, replaced: list[Any]) -> Any:
+    """`value` reduced to what weights_only loading accepts; what is not becomes its repr, listed in `replaced`."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, replaced) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, replaced) for v in value]
     if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
         return value
+    replaced.append(value)
     return repr(value)

@@ -1,5 +1,5 @@
-"""What a run does when it is told to stop, when its loss goes bad, when a peer hangs, and where a resumed
-or restarted run picks up. The loop calls these in one line each.
+"""What a run does when it is told to stop, when its loss goes bad, and when a peer hangs. The loop calls
+these in one line each.
 
 SIGTERM (what SLURM and Kubernetes send some seconds before SIGKILL)
     During fit each training process catches SIGTERM, and the handler only sets a flag (saving inside a
@@ -46,9 +46,7 @@ Collective timeouts (`Trainer(timeout=...)`)
     operation. `raise_if_collective_timeout` turns it into a CollectiveTimeoutError naming the strategy
     call that waited and its caller (NCCL's watchdog aborts the process itself, with its own report).
 
-Resuming
-    `ckpt_path="last"` and an elastic restart take the newest checkpoint of the run's folder that loads:
-    a truncated or corrupt file is skipped with a warning naming it, and the previous one is used.
+Where a resumed or restarted run picks up: resume.py.
 """
 
 from __future__ import annotations
@@ -59,15 +57,10 @@ import sys
 import threading
 import time
 import traceback
-import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from trainer.errors import CheckpointError
 
 if TYPE_CHECKING:
     from trainer.strategies import Strategy
@@ -309,85 +302,3 @@ def _waiting_call(error: BaseException, strategy: Strategy) -> str:
     caller = frames[outer - 1].f_code if outer > 0 else None
     called_from = f", called from {getattr(caller, 'co_qualname', caller.co_name)}" if caller is not None else ""
     return f"{operation} ({type(strategy).__name__}.{method}{called_from})"
-
-
-# --------------------------------------------------------------------------- which checkpoint to resume
-
-
-@dataclass(frozen=True)
-class NewestCheckpoint:
-    """`ckpt_path="last"`: the newest checkpoint in `folder` that loads, chosen where it is loaded."""
-
-    folder: Path
-
-
-def checkpoint_files(folders: Iterable[Path]) -> list[Path]:
-    """Every *.ckpt under `folders`, newest first (at equal times, last.ckpt first)."""
-    found: dict[Path, tuple[int, bool, Path]] = {}
-    for folder in folders:
-        for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
-            try:
-                found[path.resolve()] = (path.stat().st_mtime_ns, path.stem.startswith("last"), path)
-            except OSError:
-                continue  # removed while we looked (a top-k eviction)
-    return [path for *_, path in sorted(found.values(), reverse=True)]
-
-
-def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict[str, Any]] | None:
-    """Rank 0 picks the newest loadable checkpoint in `folders`, warning about each it skips; every rank loads it."""
-    choice, checkpoint = None, None
-    if strategy.is_global_zero:
-        skipped: list[CheckpointError] = []
-        for path in checkpoint_files(folders):
-            try:
-                checkpoint = strategy.load_checkpoint(path)
-            except CheckpointError as err:
-                skipped.append(err)
-                continue
-            choice = str(path)
-            break
-        for err in skipped:
-            instead = f"resuming from {choice!r} instead" if choice else "no older checkpoint loads either"
-            warnings.warn(f"{err} Skipped it: {instead}.", stacklevel=3)
-    choice = strategy.broadcast(choice)
-    if choice is None:
-        return None
-    if checkpoint is None:
-        checkpoint = strategy.load_checkpoint(choice)
-    return Path(choice), checkpoint
-
-
-def load_resume_checkpoint(strategy: Strategy, ckpt: Path | NewestCheckpoint | None) -> dict[str, Any] | None:
-    """The checkpoint a stage starts from: a given file (errors are the user's to see) or the newest good one."""
-    if ckpt is None:
-        return None
-    if not isinstance(ckpt, NewestCheckpoint):
-        return strategy.load_checkpoint(ckpt)
-    found = load_newest(strategy, [ckpt.folder])
-    if found is None:
-        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be read (see the warnings above).')
-    return found[1]
-
-
-def resume_after_restart(trainer: Trainer, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
-    """After an elastic restart: the newest good checkpoint of this run's folder (else what fit was given).
-
-    Call once the callbacks are set up (their folders are known). The loggers continue from its rows.
-    """
-    restarts = trainer.strategy.environment.restart_count
-    if restarts == 0:
-        return checkpoint
-    folders = [Path(trainer.log_dir)] + [Path(c.dirpath) for c in trainer.checkpoint_callbacks if c.dirpath]
-    found = load_newest(trainer.strategy, folders)
-    if trainer.is_global_zero:
-        if found is None:
-            print(f"trainer: restart {restarts}: no checkpoint in {', '.join(map(str, folders))}; starting over.",
-                  file=sys.stderr, flush=True)
-        else:
-            step = found[1].get("loops", {}).get("progress", {}).get("global_step", "?")
-            print(f"trainer: restart {restarts}: resuming from {found[0]} (global step {step}).", file=sys.stderr, flush=True)
-    if found is None:
-        return checkpoint
-    for logger, state in zip(trainer.loggers, found[1].get("loggers", [])):
-        logger.load_state_dict(state)
-    return found[1]

@@ -70,12 +70,15 @@ class MetricCollector:
 
     def __init__(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
         self._reduce = reduce
-        self._entries: dict[str, _Entry] = {}
+        # Keyed by (stage, name): a validation in the middle of a training epoch aggregates and resets its own
+        # values only, never the training epoch's running ones.
+        self._entries: dict[tuple[str, str], _Entry] = {}
         # This step's on_step values, filled by `log` itself so that taking them costs nothing per entry.
         self._step_for_logger: dict[str, torch.Tensor] = {}
         self._step_for_bar: dict[str, torch.Tensor] = {}
         self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
         self.in_step = True  # False inside epoch-end hooks, where defaults switch to on_epoch
+        self.name_suffix = ""  # "/dataloader_idx_<i>" while one of several evaluation loaders runs
         self.stage = "train"
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
@@ -84,12 +87,14 @@ class MetricCollector:
         """Record one value; defaults follow Lightning (train steps: on_step; eval and epoch hooks: on_epoch)."""
         if reduce_fx not in REDUCE_FXS:
             raise MisconfigurationError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
+        if self.name_suffix:
+            name += self.name_suffix
         step_default = self.in_step and self.stage == "train"
         on_step = step_default if on_step is None else on_step
         on_epoch = (not step_default) if on_epoch is None else on_epoch
-        entry = self._entries.get(name)
+        entry = self._entries.get((self.stage, name))
         if entry is None:
-            entry = self._add(name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist))
+            entry = self._add(self.stage, name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist))
         entry.updated = True
         if type(value) is torch.Tensor and value.ndim == 0:  # the usual value, checked first: this runs every step
             # `.data` is `.detach()` (the same storage, no graph) without a trip through the dispatcher; it is only
@@ -118,10 +123,10 @@ class MetricCollector:
                 entry.total = torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
             entry.weight += weight
 
-    def _add(self, name: str, entry: _Entry) -> _Entry:
+    def _add(self, stage: str, name: str, entry: _Entry) -> _Entry:
         both = entry.on_step and entry.on_epoch  # then the two values are told apart by a suffix
         entry.step_key, entry.epoch_key = (f"{name}_step", f"{name}_epoch") if both else (name, name)
-        self._entries[name] = entry
+        self._entries[stage, name] = entry
         return entry
 
     def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -134,10 +139,10 @@ class MetricCollector:
         return for_logger, for_bar
 
     def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Aggregate every on_epoch value (Metrics computed over the epoch, synced), then reset them."""
+        """Aggregate the current stage's on_epoch values (Metrics computed over the epoch, synced), then reset them."""
         for_logger, for_bar = {}, {}
-        for name, entry in self._entries.items():
-            if not entry.on_epoch or not entry.updated:
+        for (stage, name), entry in self._entries.items():
+            if stage != self.stage or not entry.on_epoch or not entry.updated:
                 continue
             entry.updated = False
             if entry.metric is not None:
@@ -171,14 +176,14 @@ class MetricCollector:
         torchmetrics Metrics are not included: their states belong to the Metric (make them persistent).
         """
         return {
-            name: {key: getattr(entry, key) for key in self._SAVED_FIELDS}
-            for name, entry in self._entries.items()
+            name: {"stage": stage, **{key: getattr(entry, key) for key in self._SAVED_FIELDS}}
+            for (stage, name), entry in self._entries.items()
             if entry.updated and entry.metric is None and entry.total is not None
         }
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         for name, saved in state.items():
-            self._add(name, _Entry(**{key: saved[key] for key in self._SAVED_FIELDS}))
+            self._add(saved.get("stage", "train"), name, _Entry(**{key: saved[key] for key in self._SAVED_FIELDS}))
 
     def reset(self) -> None:
         for entry in self._entries.values():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import math
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -98,7 +100,9 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         if watch_data:
             batches, watch_data = measure_data_wait(batches, functools.partial(_report_data_wait, trainer)), False
         for batch_idx, batch, is_last in batches:
-            train_step(batch, batch_idx, is_last)
+            if train_step(batch, batch_idx, is_last):
+                finished = True  # on_train_batch_start returned -1: the epoch ends here and counts as done
+                break
             finished = is_last and progress.epoch_batches == batch_idx + 1
             # The last batch (or the step that reaches max_steps) validates after the loop, once.
             steps_done = progress.global_step >= step_limit
@@ -115,6 +119,8 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         progress.epoch_done = finished
         if progress.epoch_done or _steps_done(trainer):
             _validate_if_due(trainer, val_loaders)
+        # Stopped mid-epoch (max_steps): a resume continues the epoch, so its checkpoint keeps the running values.
+        running = None if progress.epoch_done else trainer.metrics.state_dict()
         trainer.metrics.in_step = False
         trainer.publish_epoch_metrics()
         # Epoch schedulers step before on_train_epoch_end, where checkpoints are written, so a
@@ -124,7 +130,10 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             if scheduler.interval == "epoch" and progress.epoch_done and (progress.epoch + 1) % scheduler.frequency == 0:
                 step_scheduler(scheduler, trainer.callback_metrics)
         trainer.call("on_train_epoch_end")
-        trainer.publish_epoch_metrics()  # what on_train_epoch_end itself logged
+        trainer.publish_epoch_metrics()  # what on_train_epoch_end itself logged, which the monitors decide on too
+        if running:
+            trainer.metrics.load_state_dict(running)
+        trainer.call_monitors("on_train_epoch_end")
         if not progress.epoch_done:
             break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
         progress.epoch, progress.epoch_batches, progress.epoch_done = progress.epoch + 1, 0, False
@@ -205,11 +214,16 @@ def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
 # --------------------------------------------------------------------------- validate / test
 
 
-def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], limit: int | float) -> dict[str, float]:
-    """Forward-only passes over `loaders`; returns the epoch metrics logged ('validate' or 'test')."""
+def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], limit: int | float) -> list[dict[str, float]]:
+    """Forward-only passes over `loaders` ('validate' or 'test'); the epoch metrics logged, one dict per loader.
+
+    With several loaders, as in Lightning, the step gets each batch's `dataloader_idx` and what it logs is
+    named `<name>/dataloader_idx_<i>`, so the loaders' values stay apart.
+    """
     hook = "validation" if stage == "validate" else "test"
     step_name = f"{hook}_step"
     strategy, module = trainer.strategy, trainer.module
+    several = _check_several_loaders(module, step_name, loaders)
     saved_stage = trainer.metrics.stage
     trainer.metrics.stage, trainer.metrics.in_step = hook, True
     module.eval()
@@ -219,20 +233,43 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
     with grad_mode:
         for dataloader_idx, loader in enumerate(loaders):
             num_batches = batch_limit(loader, limit)
+            trainer.metrics.name_suffix = f"/dataloader_idx_{dataloader_idx}" if several else ""
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= num_batches:
                     break
                 batch = strategy.batch_to_device(batch)
                 trainer.metrics.batch = batch
                 trainer.call(f"on_{hook}_batch_start", batch, batch_idx, dataloader_idx)
-                outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx)
+                outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx if several else None)
                 trainer.call(f"on_{hook}_batch_end", outputs, batch, batch_idx, dataloader_idx)
-    trainer.metrics.in_step = False
+    trainer.metrics.in_step, trainer.metrics.name_suffix = False, ""
     trainer.call(f"on_{hook}_epoch_end")
     results = trainer.publish_epoch_metrics(log=not trainer.sanity_checking)
     trainer.call(f"on_{hook}_end")
     trainer.metrics.stage = saved_stage
-    return results
+    if not several:
+        return [results]
+    # Each loader's dict: its own values, and those logged outside its batches (in epoch-end hooks).
+    return [{name: value for name, value in results.items() if not _LOADER_SUFFIX.search(name) or
+             name.endswith(f"/dataloader_idx_{index}")} for index in range(len(loaders))]
+
+
+_LOADER_SUFFIX = re.compile(r"/dataloader_idx_\d+$")
+
+
+def _check_several_loaders(module: Any, step_name: str, loaders: list[DataLoader]) -> bool:
+    """True for several loaders, after checking that the step takes the `dataloader_idx` it then gets."""
+    if len(loaders) < 2:
+        return False
+    step = getattr(module, step_name)
+    try:
+        inspect.signature(step).bind(None, 0, 0)
+    except TypeError:
+        raise MisconfigurationError(
+            f"{len(loaders)} dataloaders were given, but {type(module).__name__}.{step_name} takes no dataloader_idx; "
+            f"define it as {step_name}(self, batch, batch_idx, dataloader_idx=0)."
+        ) from None
+    return True
 
 
 def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float) -> list[list[Any]]:
@@ -243,6 +280,7 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
     the strategy.
     """
     strategy, module = trainer.strategy, trainer.module
+    several = _check_several_loaders(module, "predict_step", loaders)
     module.eval()
     trainer.call("on_predict_start")
     trainer.call("on_predict_epoch_start")
@@ -257,7 +295,7 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
                     break
                 batch = strategy.batch_to_device(batch)
                 trainer.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
-                output = strategy.eval_step("predict_step", batch, batch_idx, dataloader_idx)
+                output = strategy.eval_step("predict_step", batch, batch_idx, dataloader_idx if several else None)
                 trainer.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)
                 outputs.append(output)
             results.append(outputs)

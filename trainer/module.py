@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainer.errors import MisconfigurationError
+from trainer.errors import MisconfigurationError, closest
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -75,13 +75,13 @@ class TrainModule(HyperparametersMixin, nn.Module):
         """Return the loss (a scalar tensor) or a dict with key 'loss'."""
         raise MisconfigurationError(f"{type(self).__name__} must define training_step(self, batch, batch_idx).")
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Compute and `self.log` validation metrics for one batch."""
 
-    def test_step(self, batch: Any, batch_idx: int) -> Any:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Compute and `self.log` test metrics for one batch."""
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return predictions for one batch; the default calls the module on the batch."""
         return self(batch)
 
@@ -219,12 +219,31 @@ class TrainModule(HyperparametersMixin, nn.Module):
     def load_from_checkpoint(
         cls, checkpoint_path: str | Path, map_location: Any = "cpu", strict: bool = True, **hparam_overrides: Any
     ) -> TrainModule:
-        """Build the module from the checkpoint's hparams (overridable) and load its weights."""
-        from trainer.checkpoint import load_checkpoint_file
+        """Build the module from the checkpoint's hparams (overridable) and load its weights.
 
+        As in Lightning, saved hparams that `__init__` does not take (set on `self.hparams` later, or a
+        parent's) are left out; keyword overrides win over the saved values.
+        """
+        from trainer.checkpoint import load_checkpoint_file
+        from trainer.recipe import init_parameters
+
+        parameters, takes_any = init_parameters(cls)
+        for key in hparam_overrides:
+            if not takes_any and key not in parameters:
+                raise MisconfigurationError(
+                    f"{cls.__name__}.load_from_checkpoint(..., {key}=...): {cls.__name__} does not take {key!r}"
+                    f"{closest(key, parameters)}; it takes {', '.join(parameters) or 'no arguments'}."
+                )
         checkpoint = load_checkpoint_file(checkpoint_path, map_location=map_location)
-        hparams = {**checkpoint.get("hparams", {}), **hparam_overrides}
-        module = cls(**hparams)
+        saved = {key: value for key, value in checkpoint.get("hparams", {}).items() if takes_any or key in parameters}
+        for key in checkpoint.get("hparams_repr", ()):  # older checkpoints do not record them
+            if key in saved and key not in hparam_overrides:
+                raise MisconfigurationError(
+                    f"checkpoint {str(checkpoint_path)!r} holds hparams[{key!r}] only as its repr {saved[key]!r} (it "
+                    f"was not plain data when saved); pass the value again: "
+                    f"{cls.__name__}.load_from_checkpoint(path, {key}=...)."
+                )
+        module = cls(**{**saved, **hparam_overrides})
         module.on_load_checkpoint(checkpoint)
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         return module

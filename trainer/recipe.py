@@ -226,11 +226,21 @@ def _nest(parts: list[str], value: Any) -> dict[str, Any]:
 def _reset_changed_classes(merged: DictConfig, layer: DictConfig) -> None:
     """A layer that names a different class starts its init_args afresh (the old ones belong to the old class)."""
     for section in ("model", "data"):
-        new = layer.get(section)
-        old = merged.get(section)
-        if isinstance(new, DictConfig) and isinstance(old, DictConfig) and "class_path" in new:
-            if new.get("class_path") != old.get("class_path"):
-                merged[section] = {}
+        if _names_another_class(layer.get(section), merged.get(section)):
+            merged[section] = {}
+    # A file's callbacks list replaces the old list whole; an override such as callbacks.0.class_path=...
+    # arrives as {"callbacks": {"0": {...}}} and merges into the entry it addresses.
+    new_entries, old_entries = layer.get("callbacks"), merged.get("callbacks")
+    if isinstance(new_entries, DictConfig) and isinstance(old_entries, ListConfig):
+        for index, new in new_entries.items_ex(resolve=False):  # interpolations resolve after the last source
+            position = int(index) if str(index).isdigit() else -1
+            if 0 <= position < len(old_entries) and _names_another_class(new, old_entries[position]):
+                old_entries[position] = {}
+
+
+def _names_another_class(new: Any, old: Any) -> bool:
+    return (isinstance(new, DictConfig) and isinstance(old, DictConfig) and "class_path" in new
+            and new.get("class_path") != old.get("class_path"))
 
 
 # --------------------------------------------------------------------------- validation

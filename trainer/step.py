@@ -42,13 +42,13 @@ class TrainStep:
         self.on_before_zero_grad = trainer.hook("on_before_zero_grad")
         self.on_train_batch_end = trainer.hook("on_train_batch_end")
 
-    def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> None:
+    def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
+        """True when on_train_batch_start returned -1: Lightning's convention for skipping the rest of the epoch."""
         strategy, progress = self.strategy, self.progress
         batch = strategy.batch_to_device(batch)
         self.metrics.batch = batch
         if self.on_train_batch_start is not None and self.on_train_batch_start(batch, batch_idx) == -1:
-            self.trainer.should_stop = True  # Lightning's convention: -1 ends the epoch
-            return
+            return True
         if not self.automatic:
             outputs = strategy.training_step(batch, batch_idx)
             progress.global_step += 1

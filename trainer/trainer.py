@@ -22,8 +22,12 @@ from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogge
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule
 from trainer.optim import LRScaler, SchedulerConfig, parse_optimizers
+from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
 from trainer.rng import seed_everything
 from trainer.strategies import Strategy, build_strategy
+
+#: Hooks whose monitoring callbacks (checkpointing, early stopping) run after the module's, via `call_monitors`.
+MONITORS_LAST = ("on_train_epoch_end",)
 
 
 class Trainer:
@@ -33,7 +37,7 @@ class Trainer:
     `callbacks` takes Callback instances and `logger` may also be Logger instances.
     """
 
-    def __init__(self, *, callbacks: list[Callback] | None = None, **options: Any) -> None:
+    def __init__(self, *, callbacks: list[Callback] | Callback | None = None, **options: Any) -> None:
         self.config: TrainerConfig = make_config(options)
         self._apply_fast_dev_run()
         # Validated here, in the calling process, before any worker starts.
@@ -41,7 +45,9 @@ class Trainer:
         self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
         self.strategy.timeout = float(self.config.timeout)
         self.loggers: list[Logger] = self._build_loggers(self.config.logger)
-        self.callbacks: list[Callback] = self._with_default_callbacks(list(callbacks or []))
+        # One callback alone is accepted as Lightning accepts it.
+        given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+        self.callbacks: list[Callback] = self._with_default_callbacks(given)
         self.progress = Progress()
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
@@ -170,13 +176,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ hooks and metrics
     def call(self, hook: str, *args: Any) -> Any:
-        """Fire `hook` on every callback, then on the module (where it has one); return the module's answer."""
+        """Fire `hook` on every callback, then on the module (where it has one); return the module's answer.
+        For on_train_epoch_end, callbacks that monitor logged values wait for `call_monitors`."""
         targets = self._hook_targets.get(hook)
         if targets is None:
             targets = self._hook_targets[hook] = self._resolve_hook(hook)
         for method in targets[0]:
             method(self, self.module, *args)
         return targets[1](*args) if targets[1] is not None else None
+
+    def call_monitors(self, hook: str) -> None:
+        """Fire `hook` on the callbacks that `call` left for later (`Callback.monitors`)."""
+        for callback in self.callbacks:
+            if callback.monitors and callback.uses_hook(hook):
+                getattr(callback, hook)(self, self.module)
 
     def hook(self, hook: str) -> Callable[..., Any] | None:
         """A callable that fires `hook` as `call` does, or None when no callback and not the module overrides
@@ -191,7 +204,8 @@ class Trainer:
     def _resolve_hook(self, hook: str) -> tuple[list[Any], Any]:
         """The callback and module methods that override `hook` (and that the callback says it uses): the
         base classes' empty bodies are never called."""
-        methods = [getattr(c, hook) for c in self.callbacks if c.uses_hook(hook)]
+        monitors_later = hook in MONITORS_LAST
+        methods = [getattr(c, hook) for c in self.callbacks if c.uses_hook(hook) and not (monitors_later and c.monitors)]
         methods = [m for m in methods if getattr(m, "__func__", None) is not getattr(Callback, hook, None)]
         module_hook = getattr(self.module, hook, None)
         if getattr(module_hook, "__func__", None) is getattr(TrainModule, hook, object()):
@@ -239,7 +253,7 @@ class Trainer:
             datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> None:
         """Train `module`; afterwards it holds the trained weights, whatever the strategy."""
         self._check_inputs(module, datamodule, "fit", train_dataloaders)
-        ckpt = self._resolve_ckpt_path(ckpt_path)
+        ckpt = resolve_ckpt_path(self, ckpt_path)
         self._dispatch("fit", module, datamodule, ckpt, train_dataloaders, val_dataloaders)
 
     def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
@@ -257,7 +271,7 @@ class Trainer:
         """predict_step over every batch; a list of outputs (a list per loader when there are several)."""
         module = module or self.module
         self._check_inputs(module, datamodule or self.datamodule, "predict", dataloaders)
-        result = self._dispatch("predict", module, datamodule or self.datamodule, self._resolve_ckpt_path(ckpt_path), dataloaders)
+        result = self._dispatch("predict", module, datamodule or self.datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
         return result[0] if len(result) == 1 else result
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
@@ -265,7 +279,7 @@ class Trainer:
         module = module or self.module
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         self._check_inputs(module, datamodule, stage, dataloaders)
-        return self._dispatch(stage, module, datamodule, self._resolve_ckpt_path(ckpt_path), dataloaders)
+        return self._dispatch(stage, module, datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
 
     def _check_inputs(self, module: Any, datamodule: Any, stage: str, loaders: Any) -> None:
         if not isinstance(module, TrainModule):
@@ -273,6 +287,8 @@ class Trainer:
             raise MisconfigurationError(f"Trainer.{stage} needs a TrainModule; got {got}.")
         if stage == "fit" and type(module).configure_optimizers is TrainModule.configure_optimizers:
             module.configure_optimizers()  # raises the explanatory error
+        if stage == "fit" and not module.automatic_optimization:
+            self._check_manual_optimization(type(module).__name__)
         if datamodule is not None and loaders is not None:
             raise MisconfigurationError(f"Trainer.{stage}: pass either dataloaders or a datamodule, not both.")
         if datamodule is None and loaders is None:
@@ -280,34 +296,19 @@ class Trainer:
         if datamodule is not None and not isinstance(datamodule, DataModule):
             raise MisconfigurationError(f"datamodule must be a DataModule; got {type(datamodule).__name__}.")
 
-    def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | faults.NewestCheckpoint | None:
-        if ckpt_path is None:
-            return None
-        if ckpt_path == "best":
-            best = getattr(self.checkpoint_callback, "best_model_path", "")
-            if not best:
-                raise MisconfigurationError('ckpt_path="best" needs a ModelCheckpoint with a monitor that has saved a checkpoint.')
-            return Path(best)
-        if ckpt_path == "last":
-            found = self._find_last_checkpoint()
-            if found is None:
-                raise MisconfigurationError(
-                    f'ckpt_path="last": no last.ckpt under {Path(self.config.default_root_dir) / self.config.name}.'
-                )
-            # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's newest good checkpoint.
-            return faults.NewestCheckpoint(found.parent)
-        path = Path(ckpt_path)
-        if not path.is_file():
-            raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
-        return path
-
-    def _find_last_checkpoint(self) -> Path | None:
-        own = getattr(self.checkpoint_callback, "last_model_path", "")
-        if own and Path(own).is_file():
-            return Path(own)
-        root = Path(self.config.default_root_dir) / self.config.name
-        candidates = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        return candidates[-1] if candidates else None
+    def _check_manual_optimization(self, name: str) -> None:
+        """Options the loop applies around optimizer steps mean nothing when the module takes the steps itself."""
+        config, fixes = self.config, []
+        if config.gradient_clip_val:
+            fixes.append(f"gradient_clip_val={config.gradient_clip_val} (clip in training_step before opt.step(), "
+                         "e.g. torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))")
+        if config.accumulate_grad_batches != 1:
+            fixes.append(f"accumulate_grad_batches={config.accumulate_grad_batches} (step every n batches in training_step)")
+        if fixes:
+            raise MisconfigurationError(
+                f"{name} sets automatic_optimization=False, so the Trainer takes no optimizer steps and these options "
+                f"would do nothing: {'; '.join(fixes)}. Remove them."
+            )
 
     def _dispatch(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
                   *loaders: Any) -> Any:
@@ -318,6 +319,8 @@ class Trainer:
             from trainer import launcher
 
             outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
+            # As after a stage run here, test() may follow fit() on the same module and datamodule.
+            self.stage, self.module, self.datamodule = stage, module, datamodule
             launcher.adopt(self, module, outcome)
             return outcome["result"]
         return self._run(stage, module, datamodule, ckpt, *loaders, environment=environment)["result"]
@@ -339,7 +342,7 @@ class Trainer:
         module._trainer = self
         self.metrics = MetricCollector(strategy.reduce)
         try:
-            checkpoint = faults.load_resume_checkpoint(strategy, ckpt)
+            checkpoint = load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
             prepared = stage_loaders(strategy, stage, datamodule, loaders, self.config.seed or 0)
             strategy.setup_module(module)
@@ -348,7 +351,7 @@ class Trainer:
             for callback in self.callbacks:
                 callback.setup(self, module, stage)
             if stage == "fit":  # an elastic restart continues from the newest good checkpoint of this run
-                checkpoint = faults.resume_after_restart(self, checkpoint)
+                checkpoint = resume_after_restart(self, checkpoint)
             if checkpoint is not None:
                 restore_checkpoint(self, checkpoint, full=stage == "fit")
                 # The checkpoint's step was already written (if due) before it was saved; a micro-batch
@@ -391,7 +394,7 @@ class Trainer:
         if stage == "predict":
             return predict_loop(self, loaders, config.limit_predict_batches)
         limit = config.limit_val_batches if stage == "validate" else config.limit_test_batches
-        return [evaluation_loop(self, stage, loaders, limit)]
+        return evaluation_loop(self, stage, loaders, limit)
 
     def _setup_loggers(self, checkpoint: dict[str, Any] | None) -> None:
         saved = (checkpoint or {}).get("loggers", [])
@@ -425,6 +428,14 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path) -> None:
         """Write a resumable checkpoint (call on every rank; the strategy decides who writes)."""
+        if self.strategy.module is None:
+            last = getattr(self.checkpoint_callback, "last_model_path", "")
+            raise MisconfigurationError(
+                "trainer.save_checkpoint needs a run's state in this process, and here is none: no stage ran yet, or "
+                "the processes this script started have ended with it (optimizers included). "
+                + (f"The run's last checkpoint is {last}; " if last else "")
+                + "call it inside the run (a callback's on_train_end), or save the weights: torch.save(module.state_dict(), path)."
+            )
         if self.is_global_zero:
             for logger in self.loggers:
                 logger.save()  # the file must hold every row the checkpoint counts

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from callbacks import Callback, ModelCheckpoint
-from trainer import Trainer, TrainModule
+from trainer import DataModule, Trainer, TrainModule
 from trainer.environment import ClusterEnvironment, find_free_port
 from trainer.errors import MisconfigurationError
 from trainer.strategies import build_strategy, distributed
@@ -430,3 +430,22 @@ class Unpicklable(Net):
 def test_a_module_that_cannot_be_pickled_is_named_before_any_process_starts():
     with pytest.raises(MisconfigurationError, match="pickled copy of the module"):
         Trainer(strategy="ddp", devices=2, logger=False, **QUIET).fit(Unpicklable(), DataLoader(TRAIN, batch_size=BATCH))
+
+
+class TrainOnly(DataModule):
+    def train_dataloader(self):
+        return DataLoader(TRAIN, batch_size=BATCH)
+
+
+def test_after_a_fit_in_started_processes_the_caller_tests_on_its_datamodule_and_cannot_save_an_absent_state(monkeypatch):
+    from trainer import launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "launch", lambda trainer, stage, *run_args: started.append(stage) or {"result": None})
+    trainer, datamodule = Trainer(strategy="ddp", devices=2, logger=False, **QUIET), TrainOnly()
+    trainer.fit(Net(), datamodule=datamodule)
+    assert started == ["fit"] and trainer.datamodule is datamodule
+    trainer.test()  # on the fit's datamodule, as after a fit in one process
+    assert started == ["fit", "test"]
+    with pytest.raises(MisconfigurationError, match="trainer.save_checkpoint needs a run's state in this process"):
+        trainer.save_checkpoint("never.ckpt")

@@ -189,9 +189,10 @@ class Strategy:
         self.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         return output
 
-    def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
-        """validation_step / test_step / predict_step under autocast, forward only."""
-        args = (batch, batch_idx) if dataloader_idx == 0 else (batch, batch_idx, dataloader_idx)
+    def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        """validation_step / test_step / predict_step under autocast, forward only; `dataloader_idx` is passed
+        on (None: a single loader, whose steps get none)."""
+        args = (batch, batch_idx) if dataloader_idx is None else (batch, batch_idx, dataloader_idx)
         with self.precision.autocast():
             return getattr(self.module, step_name)(*args)
 

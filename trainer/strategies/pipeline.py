@@ -307,7 +307,7 @@ class PipelineStrategy(Strategy):
         finally:
             self._sync_gradients = saved
 
-    def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+    def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         """Forward-only through the stages; the last stage's logging is replayed on its replica's ranks."""
         if v_style(self.schedule_name):
             raise MisconfigurationError(
@@ -330,14 +330,14 @@ class PipelineStrategy(Strategy):
         return result
 
     def _last_stage_eval(self, step_name: str, output: Any, batch: Any, batch_idx: int,
-                         dataloader_idx: int) -> tuple[Any, list[tuple[str, Any, tuple[Any, ...]]]]:
+                         dataloader_idx: int | None) -> tuple[Any, list[tuple[str, Any, tuple[Any, ...]]]]:
         trainer = self.module.trainer
         recorder = trainer.metrics = LogRecorder(trainer.metrics)
         try:
             with self.precision.autocast():
                 hook = getattr(self.module, f"pipeline_{step_name}", None)
                 if hook is not None:
-                    extra = (dataloader_idx,) if dataloader_idx else ()
+                    extra = (dataloader_idx,) if dataloader_idx is not None else ()
                     return hook(output, batch, batch_idx, *extra), recorder.records
                 loss = self.module.pipeline_loss(output, batch)
             prefix = "val" if step_name == "validation_step" else "test"

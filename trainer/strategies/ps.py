@@ -298,7 +298,7 @@ class ParameterServerStrategy(Strategy):
             self._client.refresh()
         return super().training_step(batch, batch_idx)
 
-    def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+    def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         if self._client is not None:
             self._client.refresh()
         return super().eval_step(step_name, batch, batch_idx, dataloader_idx)

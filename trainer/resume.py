@@ -1,0 +1,145 @@
+"""Which checkpoint a stage starts from: `ckpt_path` ("best", "last" or a file) and, after an elastic
+restart, the newest good checkpoint of the run.
+
+`ckpt_path="last"` and an elastic restart take the newest checkpoint of a run's folder that loads: a
+truncated or corrupt file is skipped with a warning naming it, and the previous one is used. Before a
+Trainer has run, "last" is the newest last.ckpt among the runs of its name (a new Trainer resuming an
+interrupted run); once it has run, only its own run's checkpoints count.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import CheckpointError, MisconfigurationError
+
+if TYPE_CHECKING:
+    from trainer.strategies import Strategy
+    from trainer.trainer import Trainer
+
+
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | NewestCheckpoint | None:
+    """The file (or, for "last", the folder whose newest good file) a stage of `trainer` loads; clear errors
+    for names that resolve to nothing."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "best":
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+        if not best:
+            raise MisconfigurationError('ckpt_path="best" needs a ModelCheckpoint with a monitor that has saved a checkpoint.')
+        return Path(best)
+    if ckpt_path == "last":
+        found = _last_checkpoint(trainer)
+        if found is None and trainer.module is not None:
+            folder = getattr(trainer.checkpoint_callback, "dirpath", None)
+            raise MisconfigurationError(
+                f'ckpt_path="last": the run of this Trainer saved no checkpoint{f" in {folder}" if folder else ""}; '
+                "give a checkpoint's path, or resume with a new Trainer to pick the newest run's last.ckpt."
+            )
+        if found is None:
+            raise MisconfigurationError(
+                f'ckpt_path="last": no last.ckpt under {Path(trainer.config.default_root_dir) / trainer.config.name}.'
+            )
+        # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's newest good checkpoint.
+        return NewestCheckpoint(found.parent)
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
+    return path
+
+
+def _last_checkpoint(trainer: Trainer) -> Path | None:
+    own = getattr(trainer.checkpoint_callback, "last_model_path", "")
+    if own and Path(own).is_file():
+        return Path(own)
+    if trainer.module is not None:  # this Trainer ran: its own run's newest checkpoint, never another run's
+        folder = getattr(trainer.checkpoint_callback, "dirpath", None)
+        newest = checkpoint_files([Path(folder)]) if folder else []
+        return newest[0] if newest else None
+    root = Path(trainer.config.default_root_dir) / trainer.config.name
+    candidates = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
+
+
+@dataclass(frozen=True)
+class NewestCheckpoint:
+    """`ckpt_path="last"`: the newest checkpoint in `folder` that loads, chosen where it is loaded."""
+
+    folder: Path
+
+
+def checkpoint_files(folders: Iterable[Path]) -> list[Path]:
+    """Every *.ckpt under `folders`, newest first (at equal times, last.ckpt first)."""
+    found: dict[Path, tuple[int, bool, Path]] = {}
+    for folder in folders:
+        for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
+            try:
+                found[path.resolve()] = (path.stat().st_mtime_ns, path.stem.startswith("last"), path)
+            except OSError:
+                continue  # removed while we looked (a top-k eviction)
+    return [path for *_, path in sorted(found.values(), reverse=True)]
+
+
+def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0 picks the newest loadable checkpoint in `folders`, warning about each it skips; every rank loads it."""
+    choice, checkpoint = None, None
+    if strategy.is_global_zero:
+        skipped: list[CheckpointError] = []
+        for path in checkpoint_files(folders):
+            try:
+                checkpoint = strategy.load_checkpoint(path)
+            except CheckpointError as err:
+                skipped.append(err)
+                continue
+            choice = str(path)
+            break
+        for err in skipped:
+            instead = f"resuming from {choice!r} instead" if choice else "no older checkpoint loads either"
+            warnings.warn(f"{err} Skipped it: {instead}.", stacklevel=3)
+    choice = strategy.broadcast(choice)
+    if choice is None:
+        return None
+    if checkpoint is None:
+        checkpoint = strategy.load_checkpoint(choice)
+    return Path(choice), checkpoint
+
+
+def load_resume_checkpoint(strategy: Strategy, ckpt: Path | NewestCheckpoint | None) -> dict[str, Any] | None:
+    """The checkpoint a stage starts from: a given file (errors are the user's to see) or the newest good one."""
+    if ckpt is None:
+        return None
+    if not isinstance(ckpt, NewestCheckpoint):
+        return strategy.load_checkpoint(ckpt)
+    found = load_newest(strategy, [ckpt.folder])
+    if found is None:
+        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be read (see the warnings above).')
+    return found[1]
+
+
+def resume_after_restart(trainer: Trainer, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+    """After an elastic restart: the newest good checkpoint of this run's folder (else what fit was given).
+
+    Call once the callbacks are set up (their folders are known). The loggers continue from its rows.
+    """
+    restarts = trainer.strategy.environment.restart_count
+    if restarts == 0:
+        return checkpoint
+    folders = [Path(trainer.log_dir)] + [Path(c.dirpath) for c in trainer.checkpoint_callbacks if c.dirpath]
+    found = load_newest(trainer.strategy, folders)
+    if trainer.is_global_zero:
+        if found is None:
+            print(f"trainer: restart {restarts}: no checkpoint in {', '.join(map(str, folders))}; starting over.",
+                  file=sys.stderr, flush=True)
+        else:
+            step = found[1].get("loops", {}).get("progress", {}).get("global_step", "?")
+            print(f"trainer: restart {restarts}: resuming from {found[0]} (global step {step}).", file=sys.stderr, flush=True)
+    if found is None:
+        return checkpoint
+    for logger, state in zip(trainer.loggers, found[1].get("loggers", [])):
+        logger.load_state_dict(state)
+    return found[1]
