@@ -178,6 +178,7 @@ class EpochValues(Callback):
         self.seen.append((trainer.current_epoch, float(trainer.callback_metrics["seen"])))
 
 
+@pytest.mark.filterwarnings("error:ModelCheckpoint. the checkpoint folder changed")  # resumed in the same folder
 def test_a_run_stopped_mid_epoch_by_max_steps_resumes_with_the_epochs_running_values(datasets, tmp_path):
     train, _ = datasets  # 20 samples: batches of 8, 8, 4
     options = dict(**QUIET, logger=False, default_root_dir=str(tmp_path))
@@ -188,3 +189,4 @@ def test_a_run_stopped_mid_epoch_by_max_steps_resumes_with_the_epochs_running_va
     Trainer(max_steps=6, callbacks=[resumed], **options).fit(Classifier(), DataLoader(train, batch_size=8), ckpt_path="last")
     assert first.seen == [(0, 16.0)]  # what the stopped run had seen of epoch 0
     assert resumed.seen == [(0, 20.0), (1, 20.0)]  # epoch 0 whole, as if never stopped
+    assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["version_0"]  # no logger, same run folder

@@ -7,7 +7,8 @@ A checkpoint is a plain dict that `torch.load(weights_only=True)` can read:
     lr_schedulers    one state_dict per scheduler
     precision        grad-scaler state ({} without one)
     loops            epoch, global_step, batches consumed in the current epoch, sampler seed, the
-                     lr_scaling factor the saved rates carry, each rank's running epoch metrics
+                     lr_scaling factor the saved rates carry, the run's version, each rank's running
+                     epoch metrics
     callbacks        {callback.state_key: its state_dict()}
     loggers          {index: logger state_dict()}
     rng              one entry per global rank (python, numpy, torch, cuda)
@@ -156,6 +157,7 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         "loops": {
             "progress": trainer.progress.state_dict(), "seed": trainer.config.seed or 0,
             "lr_scale": trainer.lr_scaler.factor,  # the optimizer states' rates carry it
+            "version": trainer.version,  # the run folder a resume continues in
             # Per rank, like rng: each rank's running epoch means of self.log values.
             "metrics": strategy.all_gather_object(trainer.metrics.state_dict() if trainer.metrics is not None else {}),
         },

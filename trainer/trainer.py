@@ -158,6 +158,11 @@ class Trainer:
             return self.loggers[0].log_dir
         return Path(self.config.default_root_dir) / self.config.name / f"version_{self._run_version()}"
 
+    @property
+    def version(self) -> int:
+        """The run's number: log_dir is `<default_root_dir>/<name>/version_<n>`."""
+        return self.loggers[0].version if self.loggers else self._run_version()
+
     def _run_version(self) -> int:
         if getattr(self, "_version", None) is None:
             self._version = next_version(self.config.default_root_dir, self.config.name)
@@ -403,8 +408,10 @@ class Trainer:
                 logger.load_state_dict(saved[index])  # resume in the same run folder, same rows
             else:
                 logger.version = self.strategy.broadcast(logger.version if self.is_global_zero else None)
-        if not self.loggers:
-            self._version = self.strategy.broadcast(self._run_version() if self.is_global_zero else None)
+        if not self.loggers:  # a resume continues in its run's folder, as loggers do through their state
+            saved = (checkpoint or {}).get("loops", {}).get("version")
+            version = saved if saved is not None else self._run_version() if self.is_global_zero else None
+            self._version = self.strategy.broadcast(version)
         if self.is_global_zero and self.module is not None:
             for logger in self.loggers:
                 logger.log_hyperparams(dict(self.module.hparams))
