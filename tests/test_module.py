@@ -148,8 +148,11 @@ def test_manual_optimization_with_two_optimizers():
     before = [p.detach().clone() for p in module.parameters()]
     trainer = Trainer(max_epochs=1, **QUIET)
     trainer.fit(module, data())  # training_step returns None: fine under manual optimization
-    assert trainer.global_step == 4
+    assert trainer.global_step == 8  # 4 batches x 2 optimizers: each step counts, as in Lightning
     assert all(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    stopped = Trainer(max_steps=6, **QUIET)
+    stopped.fit(TwoOptimizers(), data())
+    assert (stopped.global_step, stopped.progress.epoch_batches) == (6, 3)
 
 
 def test_module_pickles_without_its_trainer():

@@ -199,8 +199,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     # ----------------------------------------------------------------- manual optimization
     def optimizers(self) -> Any:
-        """The optimizer (or list of them) configure_optimizers returned."""
-        opts = self.trainer.optimizers
+        """The optimizer (or list of them) configure_optimizers returned; under manual optimization each is
+        wrapped so that its `step()` counts in global_step, as in Lightning (`.optimizer` is the torch one)."""
+        opts = self.trainer.optimizers if self.automatic_optimization else self.trainer.manual_optimizers
         return opts[0] if len(opts) == 1 else opts
 
     def lr_schedulers(self) -> Any:

@@ -160,3 +160,21 @@ def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor])
         config.scheduler.step(float(metrics[config.monitor]))
     else:
         config.scheduler.step()
+
+
+class ManualOptimizer:
+    """An optimizer as `self.optimizers()` hands it out under manual optimization, like Lightning's
+    LightningOptimizer: `step()` goes through the strategy (grad scaler, parameter-server push) and counts one
+    global step, so max_steps, checkpoint names and logging count optimizer steps. The rest is the optimizer's."""
+
+    def __init__(self, optimizer: Optimizer, trainer: Any) -> None:
+        self.optimizer, self._trainer = optimizer, trainer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step; a `closure` (LBFGS) goes to the optimizer itself, which may call it several times."""
+        result = self._trainer.strategy.optimizer_step(self.optimizer) if closure is None else self.optimizer.step(closure)
+        self._trainer.progress.global_step += 1
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)

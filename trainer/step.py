@@ -50,8 +50,7 @@ class TrainStep:
         if self.on_train_batch_start is not None and self.on_train_batch_start(batch, batch_idx) == -1:
             return True
         if not self.automatic:
-            outputs = strategy.training_step(batch, batch_idx)
-            progress.global_step += 1
+            outputs = strategy.training_step(batch, batch_idx)  # its optimizers' steps count in global_step
         else:
             # The epoch's tail may hold fewer than `accumulate` micro-batches; step on it anyway.
             stepping = is_last or (batch_idx + 1) % self.accumulate == 0

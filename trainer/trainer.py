@@ -21,7 +21,7 @@ from trainer.errors import MisconfigurationError
 from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogger, next_version
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule
-from trainer.optim import LRScaler, SchedulerConfig, parse_optimizers
+from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, parse_optimizers
 from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
 from trainer.rng import seed_everything
 from trainer.strategies import Strategy, build_strategy
@@ -52,6 +52,7 @@ class Trainer:
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.manual_optimizers: list[ManualOptimizer] = []  # what self.optimizers() gives under manual optimization
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.lr_scaler = LRScaler("none", 1, 0)
         self.metrics: MetricCollector | None = None
@@ -309,6 +310,8 @@ class Trainer:
                          "e.g. torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))")
         if config.accumulate_grad_batches != 1:
             fixes.append(f"accumulate_grad_batches={config.accumulate_grad_batches} (step every n batches in training_step)")
+        if config.lr_warmup_steps:
+            fixes.append(f"lr_warmup_steps={config.lr_warmup_steps} (set the optimizer's lr in training_step)")
         if fixes:
             raise MisconfigurationError(
                 f"{name} sets automatic_optimization=False, so the Trainer takes no optimizer steps and these options "
@@ -421,6 +424,7 @@ class Trainer:
     def _setup_optimizers(self, module: TrainModule) -> None:
         optimizers, schedulers = parse_optimizers(module.configure_optimizers())
         self.optimizers = self.strategy.setup_optimizers(optimizers)
+        self.manual_optimizers = [ManualOptimizer(optimizer, self) for optimizer in self.optimizers]
         self.lr_scheduler_configs = schedulers
         workers = self.strategy.data_parallel_size * self.config.accumulate_grad_batches
         self.lr_scaler = LRScaler(self.config.lr_scaling, workers, self.config.lr_warmup_steps)
