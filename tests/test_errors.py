@@ -123,6 +123,7 @@ def test_unknown_option_suggests_the_closest():
         ({"max_epochs": 2.5}, r"max_epochs=2.5 must be an integer"),
         ({"log_every_n_steps": 0}, r"log_every_n_steps=0 must be at least 1"),
         ({"seed": "abc"}, r"seed='abc' must be an integer or unset"),
+        ({"fast_dev_run": -1}, r"fast_dev_run=-1 must be true/false or a number of batches \(>= 0\)"),
     ],
 )
 def test_out_of_range_options(options, message):

@@ -124,8 +124,8 @@ def validate(config: TrainerConfig) -> None:
     _need(isinstance(config.timeout, (int, float)) and config.timeout > 0, f"timeout={config.timeout!r} must be a positive number of seconds.")
     _need(config.accelerator in ("auto", "cpu", "cuda", "gpu"), f"accelerator={config.accelerator!r}; use 'cpu', 'cuda' or 'auto'.")
     _need(config.seed is None or _is_int(config.seed), f"seed={config.seed!r} must be an integer or unset.")
-    _need(_is_int(config.fast_dev_run) or isinstance(config.fast_dev_run, bool),
-          f"fast_dev_run={config.fast_dev_run!r} must be true/false or a number of batches.")
+    _need((_is_int(config.fast_dev_run) and config.fast_dev_run >= 0) or isinstance(config.fast_dev_run, bool),
+          f"fast_dev_run={config.fast_dev_run!r} must be true/false or a number of batches (>= 0).")
     for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval"):
         value = getattr(config, key)
         ok = (_is_int(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0)
