@@ -140,6 +140,23 @@ def test_csv_rows_columns_and_hparams(datasets):
     assert OmegaConf.to_container(OmegaConf.load(folder / "hparams.yaml")) == {"hidden": 8, "note": "plain text"}
 
 
+def test_a_resumed_fit_keeps_the_rows_of_a_validation_run_after_its_checkpoint(datasets, tmp_path):
+    train, val = datasets
+    options = dict(**QUIET, default_root_dir=str(tmp_path), log_every_n_steps=2)
+    options["enable_checkpointing"] = True
+    trainer = Trainer(max_epochs=1, **options)
+    trainer.fit(Classifier(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
+    trainer.validate(dataloaders=DataLoader(val, batch_size=8))  # after the fit's last checkpoint, at its step
+    metrics = trainer.log_dir / "metrics.csv"
+    before = read_csv(metrics)[1]
+    assert [row["step"] for row in before if row["val_loss"]] == ["3", "3"]
+    Trainer(max_epochs=2, **options).fit(Classifier(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8),
+                                         ckpt_path="last")
+    after = read_csv(metrics)[1]
+    assert after[:len(before)] == before
+    assert [row["step"] for row in after if row["val_loss"]] == ["3", "3", "6"]
+
+
 def test_second_run_gets_next_version_folder(datasets):
     _, first = fit_classifier(datasets, max_epochs=1)
     _, second = fit_classifier(datasets, max_epochs=1)

@@ -299,17 +299,20 @@ class CSVLogger(Logger):
         return {"version": self.version, "rows": len(self.rows)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume in the same folder, keeping exactly the rows logged before the checkpoint."""
+        """Resume in the same folder with the rows logged before the checkpoint, and those logged after it at
+        its step or earlier: a validation that followed it, a test run after the fit. Rows of later steps are
+        the interrupted run's, which the resumed one logs again."""
         super().load_state_dict(state)
-        self.rows = []
+        rows = []
         if self.metrics_path.exists():
             with open(self.metrics_path, newline="") as f:
                 for row in csv.DictReader(f):
                     # step and epoch were written as ints: read them back as ints, or the rewrite says "0.0".
-                    self.rows.append({k: int(float(v)) if k in ("step", "epoch") else float(v)
-                                      for k, v in row.items() if v != ""})
-        self.rows = self.rows[: state.get("rows", len(self.rows))]
-        self._columns, self._written = [], 0  # forces a rewrite that drops rows logged after the checkpoint
+                    rows.append({k: int(float(v)) if k in ("step", "epoch") else float(v)
+                                 for k, v in row.items() if v != ""})
+        saved, step = state.get("rows", len(rows)), state.get("step", -1)
+        self.rows = rows[:saved] + [row for row in rows[saved:] if row.get("step", step + 1) <= step]
+        self._columns, self._written = [], 0  # forces a rewrite that drops the rows left out
 
 
 class TensorBoardLogger(Logger):
