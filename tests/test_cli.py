@@ -208,6 +208,7 @@ def test_corrupt_ckpt_path_is_one_line_exit_2(recipes_here, capsys):
         err = capsys.readouterr().err
         assert err == (f"trainer test: error: checkpoint '{name}' is truncated or corrupt and cannot be read (it is "
                        "neither a zip archive nor a pickle).\n")
+    assert not (recipes_here / "runs").exists()  # a run that failed before starting leaves no folder
 
 
 def test_list_entries_take_dotted_overrides(recipes_here):

@@ -276,8 +276,8 @@ class CSVLogger(Logger):
         _atomic_write_text(self.log_dir / "hparams.yaml", OmegaConf.to_yaml(OmegaConf.create(plain)))
 
     def save(self) -> None:
-        if self._written == len(self.rows) and self.metrics_path.exists():
-            return
+        if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
+            return  # nothing new; a run that logged nothing (it failed before starting) leaves no folder behind
         self.log_dir.mkdir(parents=True, exist_ok=True)
         columns = list(self._columns)
         for row in self.rows[self._written:]:
