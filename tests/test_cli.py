@@ -296,6 +296,25 @@ def test_plot_draws_one_panel_per_metric_one_line_per_run(tmp_path, capsys):
     assert main(["plot", "runs/c/version_0", "-o", "four.png"]) == 0
     assert image_module.imread(tmp_path / "four.png").shape[:2] == (640, 1440)  # four metrics: two rows
 
+    # Without a suffix a PNG, into an existing folder curves.png: the path printed is the file written.
+    capsys.readouterr()
+    assert main(["plot", "runs/c/version_0", "-o", "bare"]) == 0
+    assert "wrote bare.png" in capsys.readouterr().out and (tmp_path / "bare.png").is_file()
+    assert main(["plot", "runs/c/version_0", "-o", "plots"]) == 0
+    assert capsys.readouterr().out.strip().endswith("plots/curves.png")
+
+
+def test_plot_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    write_metrics(tmp_path / "run", ["step", "epoch", "loss"], [[1, 0, 1.0]])
+    assert main(["plot", "run", "-o", "curves.txt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-o 'curves.txt': matplotlib cannot write '.txt' files; use one of" in err
+    (tmp_path / "file").write_text("")
+    assert main(["plot", "run", "-o", "file/under/a/file.png"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write 'file/under/a/file.png'" in err
+
 
 def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "empty").mkdir()

@@ -48,8 +48,23 @@ def panel_grid(count: int) -> tuple[int, int]:
     return math.ceil(max(count, 1) / columns), columns
 
 
+def output_file(output: str | Path, formats: Sequence[str]) -> Path:
+    """The file to write: `output`, `<output>.png` without a suffix, `<output>/curves.png` for a folder;
+    a format matplotlib cannot write is refused before anything is drawn."""
+    path = Path(output)
+    if path.is_dir():
+        return path / "curves.png"
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    if path.suffix[1:].lower() not in formats:
+        raise MisconfigurationError(f"-o {str(path)!r}: matplotlib cannot write {path.suffix!r} files; use one of "
+                                    f"{', '.join('.' + f for f in sorted(formats))}.")
+    return path
+
+
 def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
-    """Draw every metric of every run to a PNG at `output`; returns its path."""
+    """Draw every metric of every run to an image at `output` (a PNG unless its suffix says otherwise);
+    returns the path written."""
     try:
         import matplotlib
 
@@ -58,6 +73,8 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
     except ImportError as err:
         raise MisconfigurationError("trainer plot needs matplotlib: pip install 'trainer[plot]' (or pip install matplotlib).") from err
 
+    output = output_file(output, list(plt.figure().canvas.get_supported_filetypes()))
+    plt.close("all")
     runs = {str(run_dir): read_metrics(find_metrics_file(run_dir)) for run_dir in run_dirs}
     metrics = sorted({name for series in runs.values() for name in series})
     if not metrics:
@@ -78,8 +95,11 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
     for axis in list(axes.flat)[len(metrics):]:
         axis.set_visible(False)
     figure.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output)
-    plt.close(figure)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(output)
+    except OSError as err:
+        raise MisconfigurationError(f"cannot write {str(output)!r}: {err.strerror or err}.") from err
+    finally:
+        plt.close(figure)
     return output
