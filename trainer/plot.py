@@ -70,11 +70,11 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
 
         matplotlib.use("Agg")  # files only: never needs a display
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
         raise MisconfigurationError("trainer plot needs matplotlib: pip install 'trainer[plot]' (or pip install matplotlib).") from err
 
-    output = output_file(output, list(plt.figure().canvas.get_supported_filetypes()))
-    plt.close("all")
+    output = output_file(output, list(FigureCanvasBase.get_supported_filetypes()))
     runs = {str(run_dir): read_metrics(find_metrics_file(run_dir)) for run_dir in run_dirs}
     metrics = sorted({name for series in runs.values() for name in series})
     if not metrics:
