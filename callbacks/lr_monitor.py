@@ -48,7 +48,7 @@ class LearningRateMonitor(Callback):
             self._interval_of[index] = "step" if stepped else "epoch"
 
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
+        step = trainer.progress.batches_stepped
         # Micro-batches of one accumulated step share a global step: log once per step.
         if step == self._last_logged_step or step % trainer.config.log_every_n_steps:
             return
@@ -67,4 +67,4 @@ class LearningRateMonitor(Callback):
                  if self._interval_of.get(int(key.split("-")[1])) == interval}
         if rates:
             for logger in trainer.loggers:
-                logger.log_metrics(rates, step=trainer.global_step)
+                logger.log_metrics(rates, step=trainer.progress.batches_stepped)

@@ -155,6 +155,25 @@ def test_manual_optimization_with_two_optimizers():
     assert (stopped.global_step, stopped.progress.epoch_batches) == (6, 3)
 
 
+class TwoOptimizersLogging(TwoOptimizers):
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+        self.log("batch", float(batch_idx))
+
+
+def test_loggers_count_batches_not_optimizer_steps_under_manual_optimization(tmp_path):
+    """As in Lightning: a GAN's two optimizer steps a batch do not make metrics.csv log twice as often."""
+    quiet = {**QUIET, "logger": True}
+    trainer = Trainer(max_epochs=2, log_every_n_steps=3, default_root_dir=str(tmp_path), **quiet)
+    trainer.fit(TwoOptimizersLogging(), data(batches=6))
+    assert trainer.global_step == 24
+    rows = (tmp_path / "default" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [dict(zip(header, row.split(","))) for row in rows[1:]]
+    # Every third batch of 12, named by its batch count; batch_idx runs 0..5 in each epoch.
+    assert [(int(r["step"]), float(r["batch"])) for r in logged] == [(3, 2.0), (6, 5.0), (9, 2.0), (12, 5.0)]
+
+
 def test_module_pickles_without_its_trainer():
     module = Regressor()
     module._trainer = Trainer(**QUIET)

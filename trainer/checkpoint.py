@@ -163,7 +163,7 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         },
         "callbacks": {callback.state_key: callback.state_dict() for callback in trainer.callbacks},
         # The step tells a resumed logger which of the rows logged after the checkpoint to keep.
-        "loggers": [{**logger.state_dict(), "step": trainer.global_step} for logger in trainer.loggers],
+        "loggers": [{**logger.state_dict(), "step": trainer.progress.batches_stepped} for logger in trainer.loggers],
         "rng": strategy.all_gather_object(rng_state()),
         **_saved_hparams(trainer),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},

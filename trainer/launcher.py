@@ -139,6 +139,7 @@ def final_state(trainer: Trainer) -> dict[str, Any]:
         "logged_metrics": dict(trainer.logged_metrics),
         "loggers": [logger.state_dict() for logger in trainer.loggers],
         "version": trainer.version,  # a resume may have continued an earlier run's folder
+        "data_wait": trainer.data_wait,
     }
 
 
@@ -157,7 +158,7 @@ def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> Non
     trainer.callback_metrics, trainer.logged_metrics = state["callback_metrics"], state["logged_metrics"]
     for logger, logger_state in zip(trainer.loggers, state["loggers"]):
         logger.load_state_dict(logger_state)
-    trainer._version = state["version"]
+    trainer._version, trainer.data_wait = state["version"], state["data_wait"]
 
 
 def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:

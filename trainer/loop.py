@@ -32,6 +32,9 @@ class Progress:
 
     epoch: int = 0
     global_step: int = 0  # optimizer steps taken
+    # The loggers' step, as in Lightning: batches that stepped, once each however many optimizers a
+    # manual-optimization batch steps (two for a GAN), so that log_every_n_steps counts batches there too.
+    batches_stepped: int = 0
     epoch_batches: int = 0  # batches consumed in the current epoch
     epoch_done: bool = False  # the current epoch's batches are all consumed
 
@@ -40,6 +43,7 @@ class Progress:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.batches_stepped = int(state.get("batches_stepped", self.global_step))
         self.epoch_batches, self.epoch_done = int(state["epoch_batches"]), bool(state["epoch_done"])
         if self.epoch_done:  # the checkpoint was taken after the epoch's last batch: start the next one
             self.epoch, self.epoch_batches, self.epoch_done = self.epoch + 1, 0, False

@@ -51,6 +51,7 @@ class TrainStep:
             return True
         if not self.automatic:
             outputs = strategy.training_step(batch, batch_idx)  # its optimizers' steps count in global_step
+            progress.batches_stepped += 1
         else:
             # The epoch's tail may hold fewer than `accumulate` micro-batches; step on it anyway.
             stepping = is_last or (batch_idx + 1) % self.accumulate == 0
@@ -86,6 +87,7 @@ class TrainStep:
                 self.on_before_zero_grad(optimizer)
             optimizer.zero_grad(set_to_none=True)
         progress.global_step += 1
+        progress.batches_stepped += 1
         for scheduler in self.step_schedulers:
             if progress.global_step % scheduler.frequency == 0:
                 step_scheduler(scheduler, self.trainer.callback_metrics)

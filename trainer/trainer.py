@@ -227,7 +227,7 @@ class Trainer:
         if not for_logger:
             return
         self.callback_metrics.update(for_logger)
-        step = self.progress.global_step
+        step = self.progress.batches_stepped
         if step % self.config.log_every_n_steps == 0 and step != self._last_logged_step:
             self._last_logged_step = step
             self._write({**for_logger, "epoch": self.progress.epoch}, step)
@@ -244,7 +244,7 @@ class Trainer:
                 self.callback_metrics[key[: -len("_epoch")]] = for_logger[key]
         self.progress_bar_metrics.update(for_bar)
         if for_logger:
-            self._write({**for_logger, "epoch": self.progress.epoch}, self.progress.global_step)
+            self._write({**for_logger, "epoch": self.progress.epoch}, self.progress.batches_stepped)
         return {k: float(v) for k, v in for_logger.items()}
 
     def _write(self, values: dict[str, Any], step: int) -> None:
@@ -364,7 +364,7 @@ class Trainer:
                 restore_checkpoint(self, checkpoint, full=stage == "fit")
                 # The checkpoint's step was already written (if due) before it was saved; a micro-batch
                 # that follows it without stepping must not write a second row for the same step.
-                self._last_logged_step = self.progress.global_step
+                self._last_logged_step = self.progress.batches_stepped
             result = self._run_stage(stage, prepared)
             outcome = {"result": result}
             if hand_back:

@@ -166,6 +166,8 @@ def test_epoch_metrics_count_every_validation_sample_once(ddp_run):
     assert metrics["val_mse"].item() == pytest.approx(expected, rel=1e-5)  # a torchmetrics Metric
     assert metrics["rank1_batches"].item() == 3.0  # rank 1's 10 samples make 3 batches; summed over ranks
     assert metrics["max_rank"].item() == 1.0
+    share, wait = trainer.data_wait  # rank 0's measurement of its loader, handed back with the weights
+    assert 0 <= share <= 1 and wait >= 0
 
 
 @pytest.mark.timeout(240)
