@@ -4,6 +4,7 @@ and read without running code; load_from_checkpoint rebuilds the module."""
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,55 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
     assert resumed_rows == full_rows
     full_text = (tmp_path / "full/default/version_0/metrics.csv").read_text()
     assert (tmp_path / "crashed/default/version_0/metrics.csv").read_text() == full_text
+
+
+class SaveInValidation(Callback):
+    """Saves at the end of the first validation after optimizer step `step`, then crashes at the next batch."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step, self.saved = path, step, False
+
+    def on_validation_end(self, trainer, module):
+        if trainer.global_step == self.step and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path)
+            self.saved = True
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.saved:
+            raise RuntimeError("simulated crash")
+
+
+class ValidationSteps(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.steps.append(trainer.global_step)
+
+
+# 5 batches an epoch, validation after batches 2 and 4 and at the epoch's end. Step 7 is batch 2 of epoch 1,
+# step 5 the last batch of epoch 0: a checkpoint there comes before the epoch's validation and metrics.
+@pytest.mark.parametrize("save", ["before its validation", "during its validation", "before the epoch's end"])
+def test_resume_at_a_validation_point_validates_once_and_logs_each_row_once(tmp_path, save):
+    fit(tmp_path / "full", val_check_interval=2)
+    ckpt = tmp_path / "mid.ckpt"
+    saver = {"before its validation": SaveAt(ckpt, step=7, crash_at_step=8),
+             "during its validation": SaveInValidation(ckpt, step=7),
+             "before the epoch's end": SaveAt(ckpt, step=5, crash_at_step=6)}[save]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(tmp_path / "crashed", [saver], val_check_interval=2)
+    validations = ValidationSteps()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" among them
+        fit(tmp_path / "crashed", [validations], ckpt_path=ckpt, val_check_interval=2)
+    # The resumed fit runs the validation its checkpoint came before (its callbacks see it), and no other twice.
+    first = {"before its validation": 7, "during its validation": 9, "before the epoch's end": 5}[save]
+    assert validations.steps == [step for step in [5, 7, 9, 10, 12, 14, 15] if step >= first]
+    full_rows = metrics_rows(tmp_path / "full/default/version_0/metrics.csv")
+    resumed_rows = metrics_rows(tmp_path / "crashed/default/version_0/metrics.csv")
+    assert [row["step"] for row in resumed_rows if "val_loss" in row] == [2, 4, 5, 7, 9, 10, 12, 14, 15]
+    assert resumed_rows == full_rows
 
 
 def test_resume_from_epoch_end_is_bitwise_identical(tmp_path):

@@ -157,6 +157,38 @@ def test_a_resumed_fit_keeps_the_rows_of_a_validation_run_after_its_checkpoint(d
     assert [row["step"] for row in after if row["val_loss"]] == ["3", "3", "6"]
 
 
+@pytest.mark.parametrize("logger", [True, False])
+def test_a_checkpoint_of_another_run_starts_a_new_run_folder_and_leaves_the_others_alone(datasets, tmp_path, logger):
+    train, val = datasets
+    loaders = DataLoader(train, batch_size=8), DataLoader(val, batch_size=8)
+    options = {**QUIET, "default_root_dir": str(tmp_path), "enable_checkpointing": True, "logger": logger}
+    other = Trainer(name="a", max_epochs=1, **options)
+    other.fit(Classifier(), *loaders)
+    ours = Trainer(name="b", max_epochs=2, **options)
+    ours.fit(Classifier(), *loaders)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    again = Trainer(name="b", max_epochs=2, **options)
+    with pytest.warns(UserWarning, match="the checkpoint folder changed"):  # a's top-k files are not b's
+        again.fit(Classifier(), *loaders, ckpt_path=other.checkpoint_callback.last_model_path)
+    assert again.log_dir == tmp_path / "b" / "version_1"  # as in Lightning: a new run, from a's weights
+    assert again.global_step == 6  # a's epoch, then one more
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "b" / "version_0").rglob("*")
+            if p.is_file()} == before
+    # The same run's checkpoint still continues in its own folder.
+    resumed = Trainer(name="b", max_epochs=3, **options)
+    resumed.fit(Classifier(), *loaders, ckpt_path=again.checkpoint_callback.last_model_path)
+    assert resumed.log_dir == again.log_dir
+
+
+def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_path):
+    from trainer.logging import CSVLogger
+
+    train, _ = datasets
+    trainer = Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="x", version="baseline"), **QUIET)
+    trainer.fit(Classifier(), DataLoader(train, batch_size=8))
+    assert (tmp_path / "x" / "baseline" / "metrics.csv").is_file()
+
+
 def test_second_run_gets_next_version_folder(datasets):
     _, first = fit_classifier(datasets, max_epochs=1)
     _, second = fit_classifier(datasets, max_epochs=1)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.errors import CheckpointError
+from trainer.logging import run_folder
 from trainer.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -157,7 +158,8 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         "loops": {
             "progress": trainer.progress.state_dict(), "seed": trainer.config.seed or 0,
             "lr_scale": trainer.lr_scaler.factor,  # the optimizer states' rates carry it
-            "version": trainer.version,  # the run folder a resume continues in
+            # The run folder a resume continues in (when it resumes in the same place).
+            "version": trainer.version, "folder": run_folder(trainer.config.default_root_dir, trainer.config.name),
             # Per rank, like rng: each rank's running epoch means of self.log values.
             "metrics": strategy.all_gather_object(trainer.metrics.state_dict() if trainer.metrics is not None else {}),
         },
@@ -188,6 +190,10 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
             trainer.strategy.load_optimizer_state_dict(optimizer, state)
         for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True):
             config.scheduler.load_state_dict(state)
+            # The optimizer stepped before the checkpoint; torch's check that a scheduler steps after its
+            # optimizer only sees this process, and would warn when a resume's first act is an epoch end.
+            if isinstance(getattr(config.scheduler, "optimizer", None), torch.optim.Optimizer):
+                config.scheduler.optimizer._opt_called = True
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers ({err}).") from err
     # A run resumed on another number of processes (or accumulation) scales its rates by its own factor.

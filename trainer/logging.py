@@ -202,27 +202,38 @@ def next_version(save_dir: str | Path, name: str) -> int:
     return max(taken, default=-1) + 1
 
 
+def run_folder(save_dir: str | Path, name: str) -> str:
+    """Where runs of this name are numbered, as checkpoints record it: a resume continues a run's version
+    only in the same place, so a checkpoint taken from another run never writes into this one's folder."""
+    return str((Path(save_dir) / name).resolve())
+
+
+def version_folder(version: int | str) -> str:
+    """`version_<n>` for a number; a name given as a string is the folder's name as it is (as in Lightning)."""
+    return version if isinstance(version, str) else f"version_{version}"
+
+
 class Logger:
     """A metrics writer. `log_dir` is `<save_dir>/<name>/version_<n>`; only rank 0 writes."""
 
-    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None) -> None:
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | str | None = None) -> None:
         self.save_dir = Path(save_dir)
         self.name = name
         self._version = version
 
     @property
-    def version(self) -> int:
+    def version(self) -> int | str:
         if self._version is None:
             self._version = next_version(self.save_dir, self.name)
         return self._version
 
     @version.setter
-    def version(self, value: int) -> None:
+    def version(self, value: int | str) -> None:
         self._version = value
 
     @property
     def log_dir(self) -> Path:
-        return self.save_dir / self.name / f"version_{self.version}"
+        return self.save_dir / self.name / version_folder(self.version)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_hyperparams(self, params: Mapping[str, Any]) -> None: ...
@@ -231,10 +242,14 @@ class Logger:
         self.save()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version}
+        return {"version": self.version, "folder": run_folder(self.save_dir, self.name)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._version = state["version"]
+
+    def continues(self, state: dict[str, Any]) -> bool:
+        """Whether a checkpoint's state of a logger is this logger's run, which a resume continues."""
+        return state.get("folder") == run_folder(self.save_dir, self.name)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -256,13 +271,17 @@ class CSVLogger(Logger):
         self.rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
         self._written = 0  # rows already on disk under the current header
+        self._redoable: list[dict[str, Any]] = []  # see load_state_dict
 
     @property
     def metrics_path(self) -> Path:
         return self.log_dir / "metrics.csv"
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.rows.append({"step": step, **metrics})
+        row = {"step": step, **metrics}
+        if self._redoable:
+            self._drop_redone(row)
+        self.rows.append(row)
         if len(self.rows) - self._written >= self.flush_every_n_rows:
             self.save()
 
@@ -296,12 +315,13 @@ class CSVLogger(Logger):
         self._written = len(self.rows)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "rows": len(self.rows)}
+        return {**super().state_dict(), "rows": len(self.rows)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume in the same folder with the rows logged before the checkpoint, and those logged after it at
-        its step or earlier: a validation that followed it, a test run after the fit. Rows of later steps are
-        the interrupted run's, which the resumed one logs again."""
+        its step or earlier (a test run after the fit). Rows of later steps are the interrupted run's, which
+        the resumed one logs again; so are rows at its step that the resumed fit logs again (a validation or
+        an epoch end that followed the checkpoint): each such row is replaced by the new one."""
         super().load_state_dict(state)
         rows = []
         if self.metrics_path.exists():
@@ -311,8 +331,20 @@ class CSVLogger(Logger):
                     rows.append({k: int(float(v)) if k in ("step", "epoch") else float(v)
                                  for k, v in row.items() if v != ""})
         saved, step = state.get("rows", len(rows)), state.get("step", -1)
-        self.rows = rows[:saved] + [row for row in rows[saved:] if row.get("step", step + 1) <= step]
+        self._redoable = [row for row in rows[saved:] if row.get("step", step + 1) <= step]
+        self.rows = rows[:saved] + self._redoable
+        self._redoable = [row for row in self._redoable if row.get("step") == step]
         self._columns, self._written = [], 0  # forces a rewrite that drops the rows left out
+
+    def _drop_redone(self, row: dict[str, Any]) -> None:
+        if row["step"] > self._redoable[0]["step"]:
+            self._redoable = []  # the resumed fit has moved past its checkpoint's step
+            return
+        old = next((old for old in self._redoable if old.keys() == row.keys() and old["step"] == row["step"]), None)
+        if old is not None:
+            self._redoable.remove(old)
+            self.rows = [kept for kept in self.rows if kept is not old]
+            self._columns, self._written = [], 0
 
 
 class TensorBoardLogger(Logger):

@@ -37,6 +37,9 @@ class Progress:
     batches_stepped: int = 0
     epoch_batches: int = 0  # batches consumed in the current epoch
     epoch_done: bool = False  # the current epoch's batches are all consumed
+    # epoch_batches when this epoch's latest mid-epoch validation began: a checkpoint taken before a due
+    # validation (in on_train_batch_end) resumes by running it, one taken during it does not run it twice.
+    validated_batches: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,8 +48,12 @@ class Progress:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.batches_stepped = int(state.get("batches_stepped", self.global_step))
         self.epoch_batches, self.epoch_done = int(state["epoch_batches"]), bool(state["epoch_done"])
+        self.validated_batches = int(state.get("validated_batches", self.epoch_batches))
         if self.epoch_done:  # the checkpoint was taken after the epoch's last batch: start the next one
-            self.epoch, self.epoch_batches, self.epoch_done = self.epoch + 1, 0, False
+            self.new_epoch()
+
+    def new_epoch(self) -> None:
+        self.epoch, self.epoch_batches, self.epoch_done, self.validated_batches = self.epoch + 1, 0, False, 0
 
 
 def batch_limit(loader: DataLoader, limit: int | float) -> int | float:
@@ -99,6 +106,9 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             raise MisconfigurationError("this dataloader cannot resume mid-epoch; checkpoint at epoch ends instead.")
         trainer.metrics.stage, trainer.metrics.in_step = "train", True
         trainer.call("on_train_epoch_start")
+        resumed_at = progress.epoch_batches
+        if 0 < resumed_at < num_batches and resumed_at % val_every == 0 and resumed_at != progress.validated_batches:
+            _validate_mid_epoch(trainer, val_loaders)  # resumed from a checkpoint taken before this validation
         finished = False
         batches = _epoch_batches(train_loader, progress.epoch_batches, num_batches)
         if watch_data:
@@ -111,7 +121,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             # The last batch (or the step that reaches max_steps) validates after the loop, once.
             steps_done = progress.global_step >= step_limit
             if (batch_idx + 1) % val_every == 0 and not is_last and not steps_done:
-                _validate_if_due(trainer, val_loaders)
+                _validate_mid_epoch(trainer, val_loaders)
             guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
             # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
             if steps_done or trainer.should_stop and progress.epoch >= config.min_epochs:
@@ -140,7 +150,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         trainer.call_monitors("on_train_epoch_end")
         if not progress.epoch_done:
             break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
-        progress.epoch, progress.epoch_batches, progress.epoch_done = progress.epoch + 1, 0, False
+        progress.new_epoch()
     trainer.call("on_train_end")
 
 
@@ -204,6 +214,11 @@ def _done(trainer: Trainer, max_epochs: int) -> bool:
     if _steps_done(trainer) or (max_epochs != -1 and progress.epoch >= max_epochs):
         return True
     return trainer.should_stop and progress.epoch >= config.min_epochs
+
+
+def _validate_mid_epoch(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
+    trainer.progress.validated_batches = trainer.progress.epoch_batches
+    _validate_if_due(trainer, val_loaders)
 
 
 def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:

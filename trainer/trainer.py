@@ -18,7 +18,15 @@ from trainer.checkpoint import build_checkpoint, restore_checkpoint
 from trainer.config import TrainerConfig, make_config, save_run_config
 from trainer.data import DataModule, stage_loaders
 from trainer.errors import MisconfigurationError
-from trainer.logging import CSVLogger, Logger, MetricCollector, TensorBoardLogger, next_version
+from trainer.logging import (
+    CSVLogger,
+    Logger,
+    MetricCollector,
+    TensorBoardLogger,
+    next_version,
+    run_folder,
+    version_folder,
+)
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule
 from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, parse_optimizers
@@ -157,10 +165,10 @@ class Trainer:
         """This run's folder: `<default_root_dir>/<name>/version_<n>`."""
         if self.loggers:
             return self.loggers[0].log_dir
-        return Path(self.config.default_root_dir) / self.config.name / f"version_{self._run_version()}"
+        return Path(self.config.default_root_dir) / self.config.name / version_folder(self._run_version())
 
     @property
-    def version(self) -> int:
+    def version(self) -> int | str:
         """The run's number: log_dir is `<default_root_dir>/<name>/version_<n>`."""
         return self.loggers[0].version if self.loggers else self._run_version()
 
@@ -407,13 +415,14 @@ class Trainer:
     def _setup_loggers(self, checkpoint: dict[str, Any] | None) -> None:
         saved = (checkpoint or {}).get("loggers", [])
         for index, logger in enumerate(self.loggers):
-            if index < len(saved):
+            if index < len(saved) and logger.continues(saved[index]):
                 logger.load_state_dict(saved[index])  # resume in the same run folder, same rows
             else:
                 logger.version = self.strategy.broadcast(logger.version if self.is_global_zero else None)
         if not self.loggers:  # a resume continues in its run's folder, as loggers do through their state
-            saved = (checkpoint or {}).get("loops", {}).get("version")
-            version = saved if saved is not None else self._run_version() if self.is_global_zero else None
+            loops = (checkpoint or {}).get("loops", {})
+            ours = loops.get("folder") == run_folder(self.config.default_root_dir, self.config.name)
+            version = loops["version"] if ours else self._run_version() if self.is_global_zero else None
             self._version = self.strategy.broadcast(version)
         if self.is_global_zero and self.module is not None:
             for logger in self.loggers:
