@@ -69,6 +69,7 @@ class ModelCheckpoint(Callback):
         self.current_score: torch.Tensor | None = None
         self._last_global_step_saved = -1
         self._validation_ran = False
+        self._validated_step = -1
         self._warned_missing = False
 
     @property
@@ -102,17 +103,23 @@ class ModelCheckpoint(Callback):
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         if trainer.sanity_checking or trainer.stage != "fit":
             return
-        self._validation_ran = True
+        self._validation_ran, self._validated_step = True, trainer.global_step
         # The epoch-end validation is followed by on_train_epoch_end, which saves for it.
         if not trainer.progress.epoch_done and self._epoch_due(trainer):
             self._save(trainer, at_epoch_end=False)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         if self._epoch_due(trainer):
-            self._save(trainer, at_epoch_end=True)
+            self._save(trainer, at_epoch_end=True, top_k=self._score_is_current(trainer))
         elif self.save_last and not trainer.progress.epoch_done:
             # The run stops mid-epoch (should_stop, max_steps): leave a checkpoint to resume from.
             self._save(trainer, at_epoch_end=True, top_k=False)
+
+    def _score_is_current(self, trainer: Trainer) -> bool:
+        """False at an epoch end that no validation preceded, in a fit that validates (check_val_every_n_epoch > 1,
+        a stop mid-epoch): the monitored value would be an older validation's, so the checkpoint is not ranked."""
+        validates = bool(trainer.val_dataloaders) and trainer.config.limit_val_batches != 0
+        return self.monitor is None or not validates or self._validated_step == trainer.global_step
 
     def _epoch_due(self, trainer: Trainer) -> bool:
         return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -123,7 +130,7 @@ class ModelCheckpoint(Callback):
         if trainer.sanity_checking or step == self._last_global_step_saved:
             return
         self._last_global_step_saved = step
-        values = self._candidates(trainer, at_epoch_end)
+        values = self._candidates(trainer, at_epoch_end, ranked=top_k)
         previous_last = self.last_model_path
         if self.save_last:
             # Named before the top-k file is written, so that file's copy of this callback's state names it too.
@@ -137,13 +144,13 @@ class ModelCheckpoint(Callback):
             if previous_last and previous_last != self.last_model_path:
                 trainer.strategy.remove_checkpoint(previous_last)
 
-    def _candidates(self, trainer: Trainer, at_epoch_end: bool) -> dict[str, Any]:
+    def _candidates(self, trainer: Trainer, at_epoch_end: bool, ranked: bool) -> dict[str, Any]:
         """epoch, step and the logged values the monitor and the filename need, as rank 0 sees them."""
         metrics = trainer.callback_metrics
         wanted = {m.group(1) for m in _PLACEHOLDER.finditer(self.filename + self.CHECKPOINT_NAME_LAST)}
         if self.monitor is not None:
             wanted.add(self.monitor)
-            if self.monitor not in metrics:
+            if self.monitor not in metrics and ranked:
                 self._missing_monitor(trainer, at_epoch_end)
         values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
         values.update({name: float(metrics[name]) for name in wanted - values.keys() if name in metrics})

@@ -155,6 +155,16 @@ def test_mid_epoch_validation_saves_at_validation_and_epoch_end(tmp_path):
     assert (end["epoch_batches"], end["epoch_done"]) == (4, True)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # nor warned about: the monitor is missing there by design
+def test_epochs_without_validation_are_not_ranked_by_an_older_validations_score(tmp_path):
+    checkpoint = ModelCheckpoint(monitor="val/score", save_top_k=2, save_last=True, filename="{epoch}-{val/score:.1f}")
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=4, check_val_every_n_epoch=2)
+    trainer.fit(Scripted([9.0, 0.5, 9.0, 0.7]), *loaders())  # validated after epochs 1 and 3 only
+    assert checkpoint_names(checkpoint.dirpath) == {"epoch=1-val_score=0.5.ckpt", "epoch=3-val_score=0.7.ckpt",
+                                                    "last.ckpt"}
+    assert load(checkpoint.last_model_path)["loops"]["progress"]["epoch"] == 3  # last.ckpt is still every epoch's
+
+
 def test_without_monitor_the_latest_k_are_kept(tmp_path):
     checkpoint = ModelCheckpoint(save_top_k=2)
     make_trainer(tmp_path, [checkpoint], max_epochs=4).fit(Scripted(), *loaders())

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from callbacks import Callback
-from trainer import Trainer, TrainModule
+from trainer import DataModule, Trainer, TrainModule
+from trainer.errors import MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
 
@@ -138,6 +139,34 @@ def test_csv_rows_columns_and_hparams(datasets):
         pytest.approx(losses[i], rel=1e-6) for i in (1, 3, 5)
     ]
     assert OmegaConf.to_container(OmegaConf.load(folder / "hparams.yaml")) == {"hidden": 8, "note": "plain text"}
+
+
+class Configured(Classifier):
+    def __init__(self, hidden: int = 8, settings: dict | None = None) -> None:
+        super().__init__(hidden)
+        self.save_hyperparameters()
+
+
+class Loaders(DataModule):
+    def __init__(self, train: TensorDataset, batch_size: int = 8, hidden: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore="train")
+        self.train = train
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=self.hparams.batch_size)
+
+
+def test_hparams_yaml_holds_the_datamodules_too_and_values_yaml_cannot_hold_as_their_repr(datasets, tmp_path):
+    train, _ = datasets
+    settings = {"dtype": torch.bfloat16, "layers": [nn.ReLU(), 2]}
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(Configured(settings=settings), datamodule=Loaders(train, batch_size=4))
+    assert OmegaConf.to_container(OmegaConf.load(trainer.log_dir / "hparams.yaml")) == {
+        "hidden": 8, "note": "plain text", "settings": {"dtype": "torch.bfloat16", "layers": ["ReLU()", 2]},
+        "batch_size": 4}
+    with pytest.raises(MisconfigurationError, match=r"the hparams \['hidden'\] are saved by both Configured and Loaders"):
+        Trainer(max_epochs=1, default_root_dir=str(tmp_path), **QUIET).fit(Configured(), datamodule=Loaders(train, hidden=3))
 
 
 def test_a_resumed_fit_keeps_the_rows_of_a_validation_run_after_its_checkpoint(datasets, tmp_path):

@@ -7,7 +7,7 @@ import io
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -252,6 +252,21 @@ class Logger:
         return state.get("folder") == run_folder(self.save_dir, self.name)
 
 
+def hparams_yaml(params: Mapping[str, Any]) -> str:
+    """Hyperparameters as YAML; a value YAML cannot hold (a dtype, a module, however deeply nested) as its repr."""
+    # Imported when first needed, so `import trainer` costs little more than `import torch`.
+    from omegaconf import OmegaConf
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            return [plain(v) for v in value]
+        return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+
+    return OmegaConf.to_yaml(OmegaConf.create(plain(params)))
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="") as f:
@@ -287,12 +302,7 @@ class CSVLogger(Logger):
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        plain = {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
-                 for k, v in params.items()}
-        # Imported when first needed, so `import trainer` costs little more than `import torch`.
-        from omegaconf import OmegaConf
-
-        _atomic_write_text(self.log_dir / "hparams.yaml", OmegaConf.to_yaml(OmegaConf.create(plain)))
+        _atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
 
     def save(self) -> None:
         if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
@@ -371,9 +381,7 @@ class TensorBoardLogger(Logger):
             self.writer.add_scalar(key, value, step)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        from omegaconf import OmegaConf
-
-        self.writer.add_text("hparams", OmegaConf.to_yaml(OmegaConf.create({k: repr(v) for k, v in params.items()})))
+        self.writer.add_text("hparams", hparams_yaml(params))
 
     def save(self) -> None:
         if self._writer is not None:

@@ -86,6 +86,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     if num_batches == 0:
         raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
     trainer.train_dataloader, trainer.num_training_batches = train_loader, num_batches
+    trainer.val_dataloaders = val_loaders
     val_every = _val_every(config.val_check_interval, num_batches)
     step_limit = config.max_steps if config.max_steps != -1 else math.inf
 

@@ -71,6 +71,7 @@ class Trainer:
         self.sanity_checking = False
         self.stage: str | None = None
         self.train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
+        self.val_dataloaders: list[DataLoader] = []  # and its validation loaders
         self.num_training_batches = 0
         #: (share of the time, seconds a batch) the fit waited for training batches, measured on its first ones.
         self.data_wait: tuple[float, float] | None = None
@@ -424,11 +425,24 @@ class Trainer:
             ours = loops.get("folder") == run_folder(self.config.default_root_dir, self.config.name)
             version = loops["version"] if ours else self._run_version() if self.is_global_zero else None
             self._version = self.strategy.broadcast(version)
-        if self.is_global_zero and self.module is not None:
+        if self.is_global_zero and self.module is not None and self.loggers:
+            hparams = self._logged_hparams()
             for logger in self.loggers:
-                logger.log_hyperparams(dict(self.module.hparams))
+                logger.log_hyperparams(hparams)
         if self.is_global_zero and self.run_config is not None and not self.config.fast_dev_run:
             save_run_config(self.log_dir / "config.yaml", self.run_config)
+
+    def _logged_hparams(self) -> dict[str, Any]:
+        """The module's hparams and the datamodule's, as in Lightning; a key both hold with different values is refused."""
+        assert self.module is not None
+        hparams, data = dict(self.module.hparams), dict(self.datamodule.hparams) if self.datamodule is not None else {}
+        clashing = sorted(key for key in hparams.keys() & data.keys() if not _equal(hparams[key], data[key]))
+        if clashing:
+            raise MisconfigurationError(
+                f"the hparams {clashing} are saved by both {type(self.module).__name__} and "
+                f"{type(self.datamodule).__name__} with different values; the logged hparams are both's, so rename one."
+            )
+        return {**hparams, **data}
 
     def _setup_optimizers(self, module: TrainModule) -> None:
         optimizers, schedulers = parse_optimizers(module.configure_optimizers())
@@ -473,3 +487,10 @@ Trainer.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined
     + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
        for f in dataclasses.fields(TrainerConfig)]
 )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors of several elements, arrays
+        return False
