@@ -90,6 +90,7 @@ class RichProgressBar(Callback):
         self._eval_done = 0
         self._epoch_started = 0.0
         self._epoch_first_batch = 0
+        self._ended_epoch_batches: int | None = None  # what the bar shows once the trainer has moved past the epoch
 
     def __getstate__(self) -> dict[str, Any]:
         # Consoles and live displays hold files and locks; worker processes build their own.
@@ -146,6 +147,7 @@ class RichProgressBar(Callback):
         if not self._enabled:
             return
         self._epoch_first_batch = trainer.progress.epoch_batches  # a resume starts mid-epoch
+        self._ended_epoch_batches = None
         self._epoch_started = time.monotonic()
         progress = self._live()
         if progress is None:
@@ -167,7 +169,8 @@ class RichProgressBar(Callback):
         if progress is None or trainer is None:
             return
         if self._train_task is not None:
-            progress.update(self._train_task, completed=trainer.progress.epoch_batches, metrics=metrics_text(trainer))
+            done = trainer.progress.epoch_batches if self._ended_epoch_batches is None else self._ended_epoch_batches
+            progress.update(self._train_task, completed=done, metrics=metrics_text(trainer))
         eval_task = self._eval_task
         if eval_task is not None:
             try:
@@ -183,6 +186,7 @@ class RichProgressBar(Callback):
         if not self._enabled:
             return
         if self._progress is not None:
+            self._ended_epoch_batches = trainer.progress.epoch_batches  # the loop resets it before on_train_end
             self._redraw()
             return
         elapsed = time.monotonic() - self._epoch_started

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -513,6 +514,8 @@ def test_progress_bar_draws_on_a_terminal_and_throttles_refreshes(tmp_path, monk
         Scripted([0.1] * 2), *loaders())
     drawn = console.file.getvalue()
     assert "Epoch 1/1" in drawn and "train_loss=" in drawn and "it/s" in drawn
+    last_frame = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn).rsplit("Epoch 1/1", 1)[1]
+    assert " 4/4 " in last_frame  # the finished bar counts the whole epoch, not the next one's 0
 
     reads = []
     original = progress_module.metrics_text
