@@ -1,33 +1,41 @@
-"""LearningRateMonitor: write each optimizer group's learning rate to the loggers."""
+"""LearningRateMonitor: write each optimizer group's learning rate (and momentum, weight decay) to the loggers."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
 from trainer.errors import MisconfigurationError
-from trainer.optim import current_lrs
 
 if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
     from trainer.module import TrainModule
+    from trainer.optim import SchedulerConfig
     from trainer.trainer import Trainer
 
 
 class LearningRateMonitor(Callback):
-    """Logs `lr-<optimizer index>-<group index>` on rank 0, at the start of a step or of an epoch.
+    """Logs each optimizer's learning rate on rank 0, at the start of a step or of an epoch, under Lightning's names.
 
-    `logging_interval="step"` logs every `log_every_n_steps` optimizer steps, "epoch" once per epoch, and
-    None follows each optimizer's schedulers (step-interval ones per step, the others per epoch). A row
-    at step s holds the rate the next optimizer step uses.
+    Names: `lr-<optimizer class>` (`lr-Adam`, a second Adam `lr-Adam-1`), or the `name` of the optimizer's
+    lr_scheduler dict; with several parameter groups `<name>/pg1`, `<name>/pg2` (or `<name>/<group's "name">`).
+    `log_momentum` adds `<name>-momentum` (beta1 for Adam-like optimizers) and `log_weight_decay`
+    `<name>-weight_decay`. `logging_interval="step"` logs every `log_every_n_steps` steps, "epoch" once per
+    epoch, and None follows each optimizer's schedulers (step-interval ones per step, the others per epoch).
+    A row at step s holds the rate the next optimizer step uses.
     """
 
-    def __init__(self, logging_interval: str | None = None) -> None:
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
+                 log_weight_decay: bool = False) -> None:
         if logging_interval not in (None, "step", "epoch"):
             raise MisconfigurationError(
                 f"LearningRateMonitor(logging_interval={logging_interval!r}) is not known; use None, 'step' or 'epoch'."
             )
-        self.logging_interval = logging_interval
-        self._interval_of: dict[int, str] = {}  # optimizer index -> "step" | "epoch"
+        self.logging_interval, self.log_momentum, self.log_weight_decay = logging_interval, log_momentum, log_weight_decay
+        self._names: list[list[str]] = []  # per optimizer, per parameter group
+        self._interval_of: list[str] = []  # per optimizer: "step" | "epoch"
         self._last_logged_step = -1
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
@@ -38,14 +46,12 @@ class LearningRateMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._last_logged_step = -1
-        self._interval_of = {}
-        for index, optimizer in enumerate(trainer.optimizers):
-            if self.logging_interval is not None:
-                self._interval_of[index] = self.logging_interval
-                continue
+        self._names = group_names(trainer.optimizers, trainer.lr_scheduler_configs)
+        self._interval_of = []
+        for optimizer in trainer.optimizers:
             stepped = any(c.interval == "step" and getattr(c.scheduler, "optimizer", None) is optimizer
                           for c in trainer.lr_scheduler_configs)
-            self._interval_of[index] = "step" if stepped else "epoch"
+            self._interval_of.append(self.logging_interval or ("step" if stepped else "epoch"))
 
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
         step = trainer.progress.batches_stepped
@@ -63,8 +69,39 @@ class LearningRateMonitor(Callback):
             return
         # During lr_scaling's warm-up the step runs at a fraction of the group's rate: log what it uses.
         ratio = trainer.lr_scaler.warmup_ratio(trainer.global_step)
-        rates = {key: lr for key, lr in current_lrs(trainer.optimizers, ratio).items()
-                 if self._interval_of.get(int(key.split("-")[1])) == interval}
-        if rates:
+        values: dict[str, float] = {}
+        for optimizer, names, optimizer_interval in zip(trainer.optimizers, self._names, self._interval_of):
+            if optimizer_interval != interval:
+                continue
+            for group, name in zip(optimizer.param_groups, names):
+                values[name] = float(group["lr"]) * ratio
+                if self.log_momentum:
+                    values[f"{name}-momentum"] = float(group["betas"][0] if "betas" in group else group.get("momentum", 0.0))
+                if self.log_weight_decay:
+                    values[f"{name}-weight_decay"] = float(group.get("weight_decay", 0.0))
+        if values:
             for logger in trainer.loggers:
-                logger.log_metrics(rates, step=trainer.progress.batches_stepped)
+                logger.log_metrics(values, step=trainer.progress.batches_stepped)
+
+
+def group_names(optimizers: list[Optimizer], schedulers: list[SchedulerConfig]) -> list[list[str]]:
+    """Lightning's names for each optimizer's parameter groups (see LearningRateMonitor)."""
+    names, seen = [], Counter[type]()
+    for optimizer in optimizers:
+        named = [c.name for c in schedulers if c.name and getattr(c.scheduler, "optimizer", None) is optimizer]
+        if named:
+            base = named[0]
+        else:
+            kind = type(optimizer)
+            base = f"lr-{kind.__name__}" + (f"-{seen[kind]}" if seen[kind] else "")
+            seen[kind] += 1
+        groups = optimizer.param_groups
+        if len(groups) == 1:
+            own = [f"{base}/{groups[0]['name']}" if groups[0].get("name") else base]
+        else:
+            own = [f"{base}/{group.get('name', f'pg{index + 1}')}" for index, group in enumerate(groups)]
+        if len(set(own)) < len(own):
+            raise MisconfigurationError(f"the parameter groups of {type(optimizer).__name__} share a 'name' "
+                                        f"({own}); LearningRateMonitor needs each group's name to be its own.")
+        names.append(own)
+    return names

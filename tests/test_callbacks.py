@@ -411,7 +411,7 @@ def test_timer_budget_survives_resume(tmp_path, interval, steps):
 
 def read_lr_rows(log_dir) -> list[tuple[int, float]]:
     with open(Path(log_dir) / "metrics.csv", newline="") as f:
-        return [(int(row["step"]), float(row["lr-0-0"])) for row in csv.DictReader(f) if row.get("lr-0-0")]
+        return [(int(row["step"]), float(row["lr-SGD"])) for row in csv.DictReader(f) if row.get("lr-SGD")]
 
 
 class Scheduled(Scripted):
@@ -451,6 +451,37 @@ def test_lr_monitor_logs_the_warmed_rate_during_lr_scaling_warmup(tmp_path):
     # x2 (accumulate 2), reached linearly over 2 steps: 0.1, 0.15, then 0.2.
     assert read_lr_rows(trainer.log_dir) == [(0, pytest.approx(0.1)), (1, pytest.approx(0.15)),
                                              (2, pytest.approx(0.2)), (3, pytest.approx(0.2))]
+
+
+class ManyGroups(Scripted):
+    def __init__(self):
+        super().__init__()
+        self.extra, self.more = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD([{"params": self.layer.parameters()}, {"params": self.extra.parameters(), "lr": 0.2,
+                                                                     "name": "head"}], lr=0.1, momentum=0.9)
+        adam = torch.optim.Adam(self.more.parameters(), lr=0.01, betas=(0.8, 0.99), weight_decay=0.1)
+        named = torch.optim.Adam(self.more.parameters(), lr=0.03)
+        scheduler = torch.optim.lr_scheduler.StepLR(named, step_size=1)
+        second = torch.optim.Adam(self.extra.parameters(), lr=0.04)
+        return [sgd, adam, named, second], [{"scheduler": scheduler, "interval": "epoch", "name": "decoder-lr"}]
+
+
+def test_lr_monitor_names_rates_as_lightning_does_and_logs_momentum_and_weight_decay(tmp_path):
+    monitor = LearningRateMonitor(logging_interval="epoch", log_momentum=True, log_weight_decay=True)
+    trainer = make_trainer(tmp_path, [monitor], max_epochs=1, logger=True)
+    module = ManyGroups()
+    module.automatic_optimization = False  # four optimizers: stepped by hand (here: not at all)
+    module.training_step = lambda batch, batch_idx: None
+    trainer.fit(module, *loaders())
+    with open(trainer.log_dir / "metrics.csv", newline="") as f:
+        [row] = [{k: float(v) for k, v in row.items() if v and k not in ("step", "epoch")} for row in csv.DictReader(f)]
+    assert row == {"lr-SGD/pg1": 0.1, "lr-SGD/pg1-momentum": 0.9, "lr-SGD/pg1-weight_decay": 0.0,
+                   "lr-SGD/head": 0.2, "lr-SGD/head-momentum": 0.9, "lr-SGD/head-weight_decay": 0.0,
+                   "lr-Adam": 0.01, "lr-Adam-momentum": 0.8, "lr-Adam-weight_decay": pytest.approx(0.1),
+                   "decoder-lr": 0.03, "decoder-lr-momentum": 0.9, "decoder-lr-weight_decay": 0.0,
+                   "lr-Adam-1": 0.04, "lr-Adam-1-momentum": 0.9, "lr-Adam-1-weight_decay": 0.0}
 
 
 def test_lr_monitor_needs_a_logger(tmp_path):

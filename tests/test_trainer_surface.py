@@ -70,6 +70,23 @@ class CountValidations(Callback):
             self.at.append((trainer.current_epoch, trainer.global_step))
 
 
+def test_validate_and_test_print_a_results_table_unless_verbose_is_false_and_take_lightnings_argument_order(
+        tmp_path, capsys):
+    module = Counting()
+    trainer = Trainer(max_epochs=1, **QUIET)
+    trainer.fit(module, loader())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    capsys.readouterr()
+    [tested] = trainer.test(module, loader(batch_size=6), tmp_path / "a.ckpt")  # Lightning: (model, dataloaders, ckpt_path)
+    table = capsys.readouterr().out
+    assert "test results" in table and "test_loss" in table and f"{tested['test_loss']:.6g}" in table
+    trainer.validate(module, [loader(8), loader(4)], verbose=False)
+    assert capsys.readouterr().out == ""
+    trainer.validate(module, [loader(8), loader(4)])
+    table = capsys.readouterr().out
+    assert "dataloader 0" in table and "dataloader 1" in table and "val_loss/dataloader_idx_1" in table
+
+
 def test_validate_and_test_return_metric_dicts_and_predict_keeps_order(tmp_path):
     module = Counting()
     trainer = Trainer(max_epochs=1, **QUIET)

@@ -123,7 +123,7 @@ def run_stage(args: argparse.Namespace) -> int:
             print(f"trainer {args.command}: note: no ckpt_path given; evaluating the model's initial weights.",
                   file=sys.stderr)
         run = trainer.validate if args.command == "validate" else trainer.test
-        _show_metrics(run(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path), args.command)
+        run(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path)  # prints the results table
     return 0
 
 
@@ -162,19 +162,6 @@ def _import_from_cwd() -> None:
     # in the user's own modules next to them, as `python script.py` would find them.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-
-
-def _show_metrics(results: list[dict[str, float]], stage: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{stage} results")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for metrics in results:
-        for name, value in sorted(metrics.items()):
-            table.add_row(name, f"{value:.6g}")
-    Console().print(table)
 
 
 def _show_predictions(outputs: list[Any], trainer: Any) -> None:

@@ -252,6 +252,20 @@ class Logger:
         return state.get("folder") == run_folder(self.save_dir, self.name)
 
 
+def print_results_table(results: list[dict[str, float]], stage: str) -> None:
+    """The metrics of a validate/test run as a table: a row per metric, a column per dataloader."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{stage} results", title_justify="left")
+    table.add_column("metric")
+    for index in range(len(results)):
+        table.add_column(f"dataloader {index}" if len(results) > 1 else "value", justify="right")
+    for name in sorted({name for metrics in results for name in metrics}):
+        table.add_row(name, *(f"{metrics[name]:.6g}" if name in metrics else "" for metrics in results))
+    Console().print(table)
+
+
 def hparams_yaml(params: Mapping[str, Any]) -> str:
     """Hyperparameters as YAML; a value YAML cannot hold (a dtype, a module, however deeply nested) as its repr."""
     # Imported when first needed, so `import trainer` costs little more than `import torch`.

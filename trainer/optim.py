@@ -142,12 +142,6 @@ def _multiply_rates(optimizers: list[Optimizer], schedulers: list[SchedulerConfi
             config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
 
 
-def current_lrs(optimizers: list[Optimizer], ratio: float = 1.0) -> dict[str, float]:
-    """'lr-<optimizer index>-<group index>' -> the rate in force (times `ratio`, a warm-up's)."""
-    return {f"lr-{i}-{j}": float(group["lr"]) * ratio for i, opt in enumerate(optimizers)
-            for j, group in enumerate(opt.param_groups)}
-
-
 def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor]) -> None:
     """Step one scheduler; ReduceLROnPlateau reads its monitored metric."""
     if isinstance(config.scheduler, ReduceLROnPlateau):

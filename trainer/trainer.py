@@ -24,6 +24,7 @@ from trainer.logging import (
     MetricCollector,
     TensorBoardLogger,
     next_version,
+    print_results_table,
     run_folder,
     version_folder,
 )
@@ -271,15 +272,16 @@ class Trainer:
         ckpt = resolve_ckpt_path(self, ckpt_path)
         self._dispatch("fit", module, datamodule, ckpt, train_dataloaders, val_dataloaders)
 
-    def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
-                 datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[dict[str, float]]:
-        """Run validation once; returns the logged epoch metrics."""
-        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path)
+    # validate/test take Lightning's argument order, so that calls with positional arguments port too.
+    def validate(self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+                 verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+        """Run validation once; returns the logged epoch metrics, one dict per loader (`verbose`: also prints them)."""
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path, verbose)
 
-    def test(self, module: TrainModule | None = None, dataloaders: Any = None,
-             datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[dict[str, float]]:
-        """Run the test set once; returns the logged epoch metrics."""
-        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
+    def test(self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+             verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+        """Run the test set once; returns the logged epoch metrics, one dict per loader (`verbose`: also prints them)."""
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path, verbose)
 
     def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
                 datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[Any]:
@@ -290,11 +292,14 @@ class Trainer:
         return result[0] if len(result) == 1 else result
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
-                  ckpt_path: str | Path | None) -> list[dict[str, float]]:
+                  ckpt_path: str | Path | None, verbose: bool) -> list[dict[str, float]]:
         module = module or self.module
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         self._check_inputs(module, datamodule, stage, dataloaders)
-        return self._dispatch(stage, module, datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
+        results = self._dispatch(stage, module, datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
+        if verbose and self.is_global_zero:
+            print_results_table(results, stage)
+        return results
 
     def _check_inputs(self, module: Any, datamodule: Any, stage: str, loaders: Any) -> None:
         if not isinstance(module, TrainModule):
