@@ -127,8 +127,8 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------------ saving
     def _save(self, trainer: Trainer, at_epoch_end: bool, top_k: bool = True) -> None:
         step = trainer.global_step
-        if trainer.sanity_checking or step == self._last_global_step_saved:
-            return
+        if trainer.sanity_checking or trainer.config.fast_dev_run or step == self._last_global_step_saved:
+            return  # fast_dev_run: a smoke test leaves no files behind
         self._last_global_step_saved = step
         values = self._candidates(trainer, at_epoch_end, ranked=top_k)
         previous_last = self.last_model_path

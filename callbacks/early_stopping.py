@@ -72,6 +72,8 @@ class EarlyStopping(Callback):
             self._check(trainer)
 
     def _check(self, trainer: Trainer) -> None:
+        if trainer.config.fast_dev_run:
+            return  # a smoke test of a batch or two: as in Lightning, it never stops early
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; logged: {sorted(metrics)}. "

@@ -64,7 +64,8 @@ def human_count(number: float) -> str:
 
 
 class ModelSummary(Callback):
-    """Prints (rank 0) the module's layers and parameter totals at fit start, and a run summary at fit end."""
+    """Prints (rank 0) the module's layers and parameter totals at fit start (`max_depth` levels deep; 0: no table),
+    and a run summary at fit end."""
 
     def __init__(self, max_depth: int = 1) -> None:
         if not isinstance(max_depth, int) or max_depth < -1:
@@ -87,7 +88,8 @@ class ModelSummary(Callback):
         self.non_trainable_parameters = self.total_parameters - self.trainable_parameters
         self.model_size_mb = sum(p.numel() * p.element_size() for p in module.parameters()
                                  if not isinstance(p, UninitializedParameter)) / 1e6
-        Console().print(self.layer_table())
+        if self.max_depth != 0:  # 0 turns the table off, as in Lightning; the run summary still prints
+            Console().print(self.layer_table())
 
     def layer_table(self) -> Table:
         """The rich table of layers and totals."""

@@ -78,7 +78,8 @@ def loaders(samples=16, batch_size=4):
 
 
 def make_trainer(tmp_path, callbacks=(), **options):
-    settings = dict(default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+    bar_given = any(isinstance(c, RichProgressBar) for c in callbacks)
+    settings = dict(default_root_dir=str(tmp_path), enable_progress_bar=bar_given, enable_model_summary=False,
                     logger=False, num_sanity_val_steps=0)
     settings.update(options)
     return Trainer(callbacks=list(callbacks), **settings)
@@ -526,6 +527,10 @@ def test_model_summary_counts_and_run_summary(tmp_path, capsys):
     assert summary.run_summary["val/score best checkpoint"] == checkpoint.best_model_path
     assert summary.run_summary["train samples"] == 2 * 16
     assert summary.run_summary["train samples/s"] > 0
+
+    make_trainer(tmp_path, [ModelSummary(max_depth=0)], max_epochs=1).fit(WithFrozenPart([0.4]), *loaders())
+    out = capsys.readouterr().out
+    assert "Model summary" not in out and "Run summary" in out  # 0: no layer table, as in Lightning
 
 
 # --------------------------------------------------------------------------- RichProgressBar

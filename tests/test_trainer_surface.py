@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks import Callback, ModelCheckpoint
+from callbacks import Callback, EarlyStopping, ModelCheckpoint, RichProgressBar
 from trainer import DataModule, Trainer, TrainModule
 from trainer.errors import MisconfigurationError
 
@@ -352,4 +352,22 @@ def test_options_that_manual_optimization_would_ignore_are_refused_before_it_sta
 
 def test_one_callback_may_be_given_without_a_list():
     checkpoint = ModelCheckpoint(save_last=True)
-    assert Trainer(callbacks=checkpoint, **QUIET).checkpoint_callback is checkpoint
+    assert Trainer(callbacks=checkpoint, **{**QUIET, "enable_checkpointing": True}).checkpoint_callback is checkpoint
+
+
+@pytest.mark.parametrize(("option", "callback"), [("enable_checkpointing", ModelCheckpoint()),
+                                                  ("enable_progress_bar", RichProgressBar())])
+def test_a_callback_its_own_option_turns_off_is_refused(option, callback):
+    with pytest.raises(MisconfigurationError, match=rf"{option}=False, but callbacks has a {type(callback).__name__}; "
+                                                    "drop one of the two"):
+        Trainer(callbacks=[callback], **{**QUIET, option: False})
+
+
+def test_fast_dev_run_leaves_a_given_checkpoint_callback_and_early_stopping_idle(tmp_path):
+    # Outside fast_dev_run, an EarlyStopping on a key never logged is an error at the first check.
+    checkpoint, stopping = ModelCheckpoint(dirpath=tmp_path / "ckpts"), EarlyStopping("never_logged")
+    trainer = Trainer(fast_dev_run=2, callbacks=[checkpoint, stopping], enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(Counting(), loader(), loader())
+    assert trainer.global_step == 2
+    assert not (tmp_path / "ckpts").exists()

@@ -116,6 +116,11 @@ class Trainer:
             if not isinstance(callback, Callback):
                 raise MisconfigurationError(f"callbacks must be Callback instances; got {type(callback).__name__}.")
         kinds = {type(c) for c in callbacks}
+        # fast_dev_run turns checkpointing off itself; the checkpoint callbacks a user gives then save nothing.
+        for option, kind in (("enable_progress_bar", RichProgressBar), ("enable_checkpointing", ModelCheckpoint)):
+            given = [k.__name__ for k in kinds if issubclass(k, kind)]
+            if given and not getattr(self.config, option) and not (option == "enable_checkpointing" and self.config.fast_dev_run):
+                raise MisconfigurationError(f"{option}=False, but callbacks has a {given[0]}; drop one of the two.")
         if self.config.enable_progress_bar and not any(issubclass(k, RichProgressBar) for k in kinds):
             callbacks.append(RichProgressBar())
         if self.config.enable_model_summary and not any(issubclass(k, ModelSummary) for k in kinds):

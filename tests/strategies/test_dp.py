@@ -52,8 +52,9 @@ def test_without_two_cuda_devices_dp_warns_once_and_trains_like_one_device():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = Trainer(strategy="dp", devices=2, accelerator="cpu", **QUIET)
-    messages = [str(w.message) for w in caught if "strategy='dp'" in str(w.message)]
-    assert len(messages) == 1 and "running on a single device" in messages[0]
+    ours = [w for w in caught if "strategy='dp'" in str(w.message)]
+    assert len(ours) == 1 and "running on a single device" in str(ours[0].message)
+    assert ours[0].filename == __file__  # it points at the user's Trainer(...) line
     assert isinstance(trainer.strategy, DataParallelStrategy) and not trainer.strategy.parallel
     with pytest.warns(UserWarning, match="two or more CUDA devices"):
         dp = fit("dp", devices=2, accelerator="cpu")

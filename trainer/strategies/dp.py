@@ -73,7 +73,7 @@ class DataParallelStrategy(Strategy):
             self.device_ids = []
             warnings.warn(
                 f"strategy='dp' needs two or more CUDA devices (found {available} on accelerator={self.accelerator!r}, "
-                f"devices={devices}); running on a single device instead.", UserWarning, stacklevel=2,
+                f"devices={devices}); running on a single device instead.", UserWarning, stacklevel=3,  # the Trainer(...) line
             )
 
     @property
