@@ -185,6 +185,9 @@ class CharData(DataModule):
                  prompts: tuple[str, ...] = ("def ", "class Parser:\n    ", "import ")) -> None:
         super().__init__()
         check_loader_args(type(self).__name__, batch_size, num_workers)
+        if not prompts or not all(prompts):
+            raise MisconfigurationError(f"CharData: prompts={list(prompts)!r}: predict continues each prompt, so give "
+                                        "one or more non-empty strings (data.init_args.prompts in a recipe).")
         self.save_hyperparameters()
         self.train_set: CharBlocks | None = None
         self.val_set: CharBlocks | None = None

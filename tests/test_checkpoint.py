@@ -4,6 +4,7 @@ and read without running code; load_from_checkpoint rebuilds the module."""
 from __future__ import annotations
 
 import csv
+import os
 import warnings
 from pathlib import Path
 
@@ -166,6 +167,50 @@ def test_resume_at_a_validation_point_validates_once_and_logs_each_row_once(tmp_
     assert resumed_rows == full_rows
 
 
+class BatchCount(Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.batches += 1
+
+
+def test_last_is_the_furthest_trained_checkpoint_whatever_the_files_times(tmp_path):
+    from callbacks import ModelCheckpoint
+    from trainer.resume import checkpoint_files
+
+    def run(max_epochs, ckpt_path=None):
+        counted = BatchCount()
+        options = {**QUIET, "enable_checkpointing": True}
+        trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=max_epochs, logger=False, **options,
+                          callbacks=[ModelCheckpoint(save_top_k=-1, save_last=True), counted])
+        trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer, counted
+
+    first, _ = run(3)
+    folder = Path(first.checkpoint_callback.dirpath)
+    oldest = folder / "epoch=0-step=5.ckpt"
+    os.utime(oldest, ns=(oldest.stat().st_mtime_ns + 10**12,) * 2)  # touched, or copied without its times
+    assert checkpoint_files([folder])[0].name == "last.ckpt"
+    resumed, counted = run(4, ckpt_path="last")
+    assert counted.batches == 5 and resumed.global_step == 20  # one more epoch after the third, not three
+
+
+def test_a_mid_epoch_resume_on_another_number_of_processes_continues_after_the_samples_trained(tmp_path):
+    ckpt = tmp_path / "mid.ckpt"
+    fit(tmp_path / "saved", [SaveAt(ckpt, step=2)], max_epochs=1)
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["loops"]["data_parallel_size"] == 1 and saved["loops"]["progress"]["epoch_batches"] == 2
+    saved["loops"]["data_parallel_size"] = 2  # as if two ddp processes had trained 2 batches each
+    torch.save(saved, ckpt)
+    counted = BatchCount()
+    with pytest.warns(UserWarning, match=r"resuming mid-epoch on 1 data-parallel process\(es\) from a checkpoint of "
+                                         r"2: epoch 0 goes on after 4 batches per process"):
+        resumed = fit(tmp_path / "saved", [counted], ckpt_path=ckpt, max_epochs=2)
+    assert counted.batches == 1 + 5  # epoch 0's last batch of 5, then epoch 1
+    assert resumed.trainer.global_step == 2 + 6
+
+
 def test_resume_from_epoch_end_is_bitwise_identical(tmp_path):
     full = fit(tmp_path / "full")
     ckpt = tmp_path / "epoch0.ckpt"
@@ -196,6 +241,25 @@ def test_load_from_checkpoint_rebuilds_from_hparams_and_weights(tmp_path):
     assert loaded.net[0].out_features == 12
     assert_same_weights(loaded, module)
     assert DropoutRegressor.load_from_checkpoint(tmp_path / "a.ckpt", lr=0.5).hparams.lr == 0.5
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_says_what_differs_in_one_line(tmp_path):
+    trained_checkpoint(tmp_path / "h12.ckpt")  # hidden=12
+    differs = (r"other shapes: net.0.weight \[12, 6\] in the checkpoint, \[16, 6\] in the model, net.0.bias \[12\] "
+               r"in the checkpoint, \[16\] in the model, net.3.weight \[1, 12\] in the checkpoint, \[1, 16\] in the model")
+    with pytest.raises(CheckpointError, match=r"the checkpoint's weights do not fit DropoutRegressor: " + differs):
+        Trainer(max_epochs=2, logger=False, **QUIET).fit(DropoutRegressor(hidden=16), DataLoader(regression_data(), batch_size=8),
+                                                         ckpt_path=tmp_path / "h12.ckpt")
+    with pytest.raises(CheckpointError, match=r"does not fit DropoutRegressor: " + differs):
+        DropoutRegressor.load_from_checkpoint(tmp_path / "h12.ckpt", hidden=16)
+
+    class Deeper(DropoutRegressor):
+        def __init__(self, hidden: int = 16, lr: float = 0.01) -> None:
+            super().__init__(hidden, lr)
+            self.extra = nn.Linear(1, 1)
+
+    with pytest.raises(CheckpointError, match=r"does not fit Deeper: missing extra.weight, extra.bias\.$"):
+        Deeper.load_from_checkpoint(tmp_path / "h12.ckpt")
 
 
 class Wrapped(TrainModule):

@@ -320,6 +320,15 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "empty").mkdir()
     assert main(["plot", "empty"]) == 2
     assert "'empty' holds no metrics.csv" in capsys.readouterr().err
+    for name, text in (("letters", b"step,loss\n1,0.5\n2,abc\n"), ("binary", b"step,loss\n1,\xff\xfe\n"),
+                       ("stepless", b"epoch,loss\n1,2\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_bytes(text)
+        assert main(["plot", name]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is not a metrics.csv the CSV logger wrote" in err
+    assert main(["config", "--reference", "--readme", "missing.md"]) == 2
+    assert "--readme 'missing.md' cannot be read (No such file or directory)" in capsys.readouterr().err
     write_metrics(tmp_path / "run", ["step", "epoch"], [[1, 0]])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the optional extra were not installed
     assert main(["plot", "run"]) == 2

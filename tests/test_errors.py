@@ -68,6 +68,8 @@ def test_ckpt_path_that_does_not_exist(tmp_path):
         Trainer(max_epochs=1, **QUIET).fit(Tiny(), loader(), ckpt_path=missing)
     with pytest.raises(CheckpointError, match=r"nope\.ckpt' does not exist"):
         Tiny.load_from_checkpoint(missing)
+    with pytest.raises(MisconfigurationError, match=r"ckpt_path '.*' is a folder; give a checkpoint file in it, or 'last'"):
+        Trainer(max_epochs=1, **QUIET).fit(Tiny(), loader(), ckpt_path=tmp_path)
 
 
 def test_empty_dataloader():
@@ -124,6 +126,7 @@ def test_unknown_option_suggests_the_closest():
         ({"log_every_n_steps": 0}, r"log_every_n_steps=0 must be at least 1"),
         ({"seed": "abc"}, r"seed='abc' must be an integer or unset"),
         ({"fast_dev_run": -1}, r"fast_dev_run=-1 must be true/false or a number of batches \(>= 0\)"),
+        ({"logger": ["csv", "wandb"]}, r"logger='wandb' is not known; use true, false, 'csv', 'tensorboard' or a Logger"),
     ],
 )
 def test_out_of_range_options(options, message):

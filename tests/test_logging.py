@@ -207,6 +207,15 @@ def test_a_checkpoint_of_another_run_starts_a_new_run_folder_and_leaves_the_othe
     resumed = Trainer(name="b", max_epochs=3, **options)
     resumed.fit(Classifier(), *loaders, ckpt_path=again.checkpoint_callback.last_model_path)
     assert resumed.log_dir == again.log_dir
+    # So does a checkpoint written before checkpoints recorded their run's folder.
+    old_style = torch.load(resumed.checkpoint_callback.last_model_path, weights_only=True)
+    del old_style["loops"]["folder"]
+    for state in old_style["loggers"]:
+        del state["folder"]
+    torch.save(old_style, tmp_path / "old_style.ckpt")
+    older = Trainer(name="b", max_epochs=4, **options)
+    older.fit(Classifier(), *loaders, ckpt_path=tmp_path / "old_style.ckpt")
+    assert older.log_dir == again.log_dir
 
 
 def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_path):

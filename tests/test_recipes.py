@@ -125,6 +125,11 @@ def test_charlm_trains_and_predict_prints_sampled_text(tmp_path, capsys):
     (DIGITS, "data.init_args.batch_size=0", "DigitsData: batch_size=0 must be at least 1 (data.init_args.batch_size in a recipe)."),
     (CHARLM, "data.init_args.batch_size=-4", "CharData: batch_size=-4 must be at least 1 (data.init_args.batch_size in a recipe)."),
     (DIGITS, "data.init_args.num_workers=-1", "DigitsData: num_workers=-1 must be 0 or more (data.init_args.num_workers in a recipe)."),
+    (CHARLM, "data.init_args.prompts=[1]", "data.init_args.prompts=[1]: CharData expects a list of str, got a list of int."),
+    (CHARLM, "data.init_args.prompts=[]", "CharData: prompts=[]: predict continues each prompt, so give one or more "
+                                          "non-empty strings (data.init_args.prompts in a recipe)."),
+    (CHARLM, 'data.init_args.prompts=["def", ""]', "CharData: prompts=['def', '']: predict continues each prompt, so "
+                                                   "give one or more non-empty strings (data.init_args.prompts in a recipe)."),
 ])
 def test_loader_arguments_torch_refuses_are_one_line_before_anything_runs(tmp_path, capsys, recipe, override, message):
     assert main(["fit", recipe, override, *QUIET]) == 2

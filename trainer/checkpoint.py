@@ -84,13 +84,14 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a checkpoint safely: nothing in the file can run code; bad files raise CheckpointError."""
+def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint safely: nothing in the file can run code; bad files raise CheckpointError.
+    `mmap`: tensors stay in the file until used (reading a checkpoint's counters costs no tensor reads)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if not _starts_like_torch_file(path):  # garbage, whatever opcode the unpickler took its first byte for
             raise _corrupt(path, err) from err
@@ -107,6 +108,17 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict[st
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a trainer checkpoint (no 'state_dict' key).")
     return checkpoint
+
+
+def saved_position(path: Path) -> tuple[int, int, int] | None:
+    """How far the run had trained when `path` was saved (global step, epochs done, batches into the next),
+    read without reading its tensors; None for a file that does not load (loading it says why)."""
+    try:
+        progress = load_checkpoint_file(path, mmap=True)["loops"]["progress"]
+        done = bool(progress["epoch_done"])
+        return int(progress["global_step"]), int(progress["epoch"]) + done, 0 if done else int(progress["epoch_batches"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _corrupt(path: Path, err: BaseException) -> CheckpointError:
@@ -158,6 +170,7 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         "loops": {
             "progress": trainer.progress.state_dict(), "seed": trainer.config.seed or 0,
             "lr_scale": trainer.lr_scaler.factor,  # the optimizer states' rates carry it
+            "data_parallel_size": trainer.strategy.data_parallel_size,  # epoch_batches counts each rank's batches
             # The run folder a resume continues in (when it resumes in the same place).
             "version": trainer.version, "folder": run_folder(trainer.config.default_root_dir, trainer.config.name),
             # Per rank, like rng: each rank's running epoch means of self.log values.
@@ -182,7 +195,12 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
     trainer.module.on_load_checkpoint(checkpoint)
     for callback in trainer.callbacks:
         callback.on_load_checkpoint(trainer, trainer.module, checkpoint)
-    trainer.strategy.load_model_state_dict(checkpoint["state_dict"])
+    try:
+        trainer.strategy.load_model_state_dict(checkpoint["state_dict"])
+    except RuntimeError as err:  # torch lists every key; say what differs in one line
+        differences = weights_mismatch(trainer.module.state_dict(), checkpoint["state_dict"]) or str(err).splitlines()[-1].strip()
+        raise CheckpointError(f"the checkpoint's weights do not fit {type(trainer.module).__name__}: {differences}. "
+                              "Build the model with the hparams it was trained with.") from err
     if not full:
         return
     try:
@@ -205,6 +223,7 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
                   f"{trainer.lr_scaler.factor:g}; rescaled the restored rates to match.")
     trainer.strategy.precision.load_state_dict(checkpoint.get("precision", {}))
     trainer.progress.load_state_dict(checkpoint["loops"]["progress"])
+    _rescale_epoch_position(trainer, int(checkpoint["loops"].get("data_parallel_size", trainer.strategy.data_parallel_size)))
     saved = checkpoint.get("callbacks", {})
     for callback in trainer.callbacks:
         if callback.state_key in saved:
@@ -243,6 +262,39 @@ def _saved_hparams(trainer: Trainer) -> dict[str, Any]:
                 stacklevel=2,
             )
     return {"hparams": hparams, "hparams_repr": repr_keys}
+
+
+def _rescale_epoch_position(trainer: Trainer, saved_size: int) -> None:
+    """A mid-epoch resume on another number of data-parallel processes continues after as many samples as were
+    trained (each rank's batches count `saved_size` times over), not after as many batches per rank."""
+    progress, size = trainer.progress, trainer.strategy.data_parallel_size
+    if saved_size == size or progress.epoch_batches == 0:
+        return
+    trained, progress.epoch_batches = progress.epoch_batches, progress.epoch_batches * saved_size // size
+    progress.validated_batches = progress.epoch_batches if progress.validated_batches == trained else 0
+    if trainer.is_global_zero:
+        warnings.warn(
+            f"resuming mid-epoch on {size} data-parallel process(es) from a checkpoint of {saved_size}: epoch "
+            f"{progress.epoch} goes on after {progress.epoch_batches} batches per process ({trained} per process were "
+            f"trained on {saved_size}). The samples left are not the ones an unchanged run would see, as the sampler "
+            "splits the epoch by process count; checkpoints at epoch ends resume exactly.", stacklevel=2,
+        )
+
+
+def weights_mismatch(own: dict[str, Any], saved: dict[str, Any], examples: int = 3) -> str:
+    """How `saved` weights differ from a module's `own`: keys missing, keys unexpected, shapes that differ."""
+
+    def some(items: list[str]) -> str:
+        return ", ".join(items[:examples]) + (f", ... ({len(items)} in all)" if len(items) > examples else "")
+
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    reshaped = [f"{k} {list(saved[k].shape)} in the checkpoint, {list(own[k].shape)} in the model" for k in own
+                if k in saved and isinstance(saved[k], torch.Tensor) and isinstance(own[k], torch.Tensor)
+                and not isinstance(own[k], torch.nn.parameter.UninitializedParameter) and saved[k].shape != own[k].shape]
+    parts = [f"{label} {some(keys)}" for label, keys in
+             (("missing", missing), ("unexpected", unexpected), ("other shapes:", reshaped)) if keys]
+    return "; ".join(parts)
 
 
 def _plain(value: Any, replaced: list[Any]) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.errors import MisconfigurationError, closest
 from trainer.faults import NONFINITE_MODES
+from trainer.logging import Logger
 from trainer.optim import LR_SCALINGS
 from trainer.precision import PRECISIONS
 
@@ -49,7 +50,7 @@ class TrainerConfig:
     log_every_n_steps: int = _opt(50, "Write step metrics to the loggers every n optimizer steps.")
     enable_progress_bar: bool = _opt(True, "Show the rich progress bar (rank 0 only).")
     enable_checkpointing: bool = _opt(True, "Add a ModelCheckpoint when none is given: the newest epoch checkpoint, also named last.ckpt.")
-    enable_model_summary: bool = _opt(True, "Print a model summary table at fit start.")
+    enable_model_summary: bool = _opt(True, "Print a model summary table at fit start and a run summary at its end.")
     fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
     accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
     strategy: Any = _opt("auto", "'single', 'dp', 'ddp', 'pipeline', 'ps', or {name: ..., options...}.")
@@ -131,6 +132,9 @@ def validate(config: TrainerConfig) -> None:
         ok = (_is_int(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0)
         _need(ok, f"{key}={value!r} must be a fraction in [0.0, 1.0] or a batch count (int >= 0).")
     _need(config.val_check_interval != 0, "val_check_interval=0 would never validate; use a fraction in (0, 1] or a batch count.")
+    for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
+        known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
+        _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
 
 
 # --------------------------------------------------------------------------- documentation and run records
@@ -170,7 +174,11 @@ def readme_reference(text: str) -> str | None:
 def update_readme(path: str | Path) -> bool:
     """Rewrite the table between the README's markers; True when it changed."""
     path = Path(path)
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise MisconfigurationError(f"--readme {str(path)!r} cannot be read ({reason}); give the README file to update.") from err
     if readme_reference(text) is None:
         raise MisconfigurationError(f"{path} has no {README_BEGIN!r} ... {README_END!r} markers to write the table between.")
     head, rest = text.split(README_BEGIN, 1)

@@ -248,8 +248,9 @@ class Logger:
         self._version = state["version"]
 
     def continues(self, state: dict[str, Any]) -> bool:
-        """Whether a checkpoint's state of a logger is this logger's run, which a resume continues."""
-        return state.get("folder") == run_folder(self.save_dir, self.name)
+        """Whether a checkpoint's state of a logger is this logger's run, which a resume continues (checkpoints
+        written before they recorded their folder are taken to be)."""
+        return state.get("folder", run_folder(self.save_dir, self.name)) == run_folder(self.save_dir, self.name)
 
 
 def print_results_table(results: list[dict[str, float]], stage: str) -> None:

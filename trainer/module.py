@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainer.errors import MisconfigurationError, closest
+from trainer.errors import CheckpointError, MisconfigurationError, closest
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -225,7 +225,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         As in Lightning, saved hparams that `__init__` does not take (set on `self.hparams` later, or a
         parent's) are left out; keyword overrides win over the saved values.
         """
-        from trainer.checkpoint import load_checkpoint_file
+        from trainer.checkpoint import load_checkpoint_file, weights_mismatch
         from trainer.recipe import init_parameters
 
         parameters, takes_any = init_parameters(cls)
@@ -246,7 +246,11 @@ class TrainModule(HyperparametersMixin, nn.Module):
                 )
         module = cls(**{**saved, **hparam_overrides})
         module.on_load_checkpoint(checkpoint)
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        try:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        except RuntimeError as err:  # torch lists every key; say what differs in one line
+            differences = weights_mismatch(module.state_dict(), checkpoint["state_dict"]) or str(err).splitlines()[-1].strip()
+            raise CheckpointError(f"checkpoint {str(checkpoint_path)!r} does not fit {cls.__name__}: {differences}.") from err
         return module
 
     def __getstate__(self) -> dict[str, Any]:

@@ -30,15 +30,22 @@ def find_metrics_file(run_dir: str | Path) -> Path:
 def read_metrics(path: Path) -> dict[str, tuple[list[int], list[float]]]:
     """{metric: (steps, values)} from a CSV logger file, skipping the rows where a metric is empty."""
     series: dict[str, tuple[list[int], list[float]]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row["step"]))
-            for name, text in row.items():
-                if name in NOT_METRICS or text in ("", None):
-                    continue
-                steps, values = series.setdefault(name, ([], []))
-                steps.append(step)
-                values.append(float(text))
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            for row in reader:
+                step = int(float(row["step"]))
+                for name, text in row.items():
+                    if name in NOT_METRICS or text in ("", None):
+                        continue
+                    steps, values = series.setdefault(name, ([], []))
+                    steps.append(step)
+                    values.append(float(text))
+    except UnicodeDecodeError as err:  # read in blocks: the line it counted may not be the bad one
+        raise MisconfigurationError(f"{path} is not a metrics.csv the CSV logger wrote (not UTF-8 text).") from err
+    except (ValueError, KeyError, TypeError) as err:
+        detail = "no 'step' column" if isinstance(err, KeyError) else f"line {reader.line_num}: {err}"
+        raise MisconfigurationError(f"{path} is not a metrics.csv the CSV logger wrote ({detail}).") from err
     return series
 
 

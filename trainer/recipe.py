@@ -314,7 +314,7 @@ def check_init_args(where: str, cls: type, given: dict[str, Any]) -> dict[str, A
         hint = parameters[name][1]
         if hint is not None and not _type_ok(value, hint):
             raise MisconfigurationError(f"{where}.init_args.{name}={value!r}: {cls.__name__} expects "
-                                        f"{_type_name(hint)}, got {type(value).__name__}.")
+                                        f"{_type_name(hint)}, got {_value_kind(value)}.")
     complete: dict[str, Any] = {}
     for name, (parameter, _) in parameters.items():
         if name in given:
@@ -372,15 +372,39 @@ def _type_ok(value: Any, hint: Any) -> bool:
         dict: lambda v: isinstance(v, dict),
     }
     check = checks.get(origin)
-    return True if check is None else check(value)
+    if check is None or not check(value):
+        return check is None
+    args = typing.get_args(hint)
+    if origin is list and args:
+        return all(_type_ok(v, args[0]) for v in value)
+    if origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_type_ok(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_type_ok(v, arg) for v, arg in zip(value, args))
+    if origin is dict and len(args) == 2:
+        return all(_type_ok(k, args[0]) and _type_ok(v, args[1]) for k, v in value.items())
+    return True
 
 
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) in (Union, types.UnionType):
         return " or ".join(_type_name(arg) for arg in typing.get_args(hint))
     origin = typing.get_origin(hint) or hint
-    yaml_names = {tuple: "a list", list: "a list", dict: "a mapping", type(None): "null"}  # as a recipe writes them
+    args = [arg for arg in typing.get_args(hint) if arg is not Ellipsis]
+    if origin in (list, tuple) and args:  # as a recipe writes them
+        return f"a list of {' and '.join(sorted({_type_name(arg) for arg in args}))}"
+    if origin is dict and len(args) == 2:
+        return f"a mapping of {_type_name(args[0])} to {_type_name(args[1])}"
+    yaml_names = {tuple: "a list", list: "a list", dict: "a mapping", type(None): "null"}
     return yaml_names.get(origin, getattr(origin, "__name__", str(hint)))
+
+
+def _value_kind(value: Any) -> str:
+    """What a recipe value is, in the words of _type_name ("a list of int")."""
+    if isinstance(value, list):
+        kinds = sorted({_value_kind(v) for v in value})
+        return f"a list of {' and '.join(kinds)}" if kinds else "an empty list"
+    return "a mapping" if isinstance(value, dict) else "null" if value is None else type(value).__name__
 
 
 def _plain_default(value: Any) -> Any:

@@ -1,10 +1,10 @@
 """Which checkpoint a stage starts from: `ckpt_path` ("best", "last" or a file) and, after an elastic
-restart, the newest good checkpoint of the run.
+restart, the furthest-trained good checkpoint of the run.
 
-`ckpt_path="last"` and an elastic restart take the newest checkpoint of a run's folder that loads: a
-truncated or corrupt file is skipped with a warning naming it, and the previous one is used. Before a
-Trainer has run, "last" is the newest last.ckpt among the runs of its name (a new Trainer resuming an
-interrupted run); once it has run, only its own run's checkpoints count.
+`ckpt_path="last"` and an elastic restart take the furthest-trained checkpoint of a run's folder that loads
+(by the step saved in it, not the file's time): a truncated or corrupt file is skipped with a warning naming
+it, and the previous one is used. Before a Trainer has run, "last" is the newest last.ckpt among the runs
+of its name (a new Trainer resuming an interrupted run); once it has run, only its own run's checkpoints count.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.checkpoint import saved_position
 from trainer.errors import CheckpointError, MisconfigurationError
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | NewestCheckpoint | None:
-    """The file (or, for "last", the folder whose newest good file) a stage of `trainer` loads; clear errors
+    """The file (or, for "last", the folder whose furthest-trained good file) a stage of `trainer` loads; clear errors
     for names that resolve to nothing."""
     if ckpt_path is None:
         return None
@@ -45,9 +46,11 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | 
             raise MisconfigurationError(
                 f'ckpt_path="last": no last.ckpt under {Path(trainer.config.default_root_dir) / trainer.config.name}.'
             )
-        # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's newest good checkpoint.
+        # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's furthest-trained good one.
         return NewestCheckpoint(found.parent)
     path = Path(ckpt_path)
+    if path.is_dir():
+        raise MisconfigurationError(f"ckpt_path {str(path)!r} is a folder; give a checkpoint file in it, or 'last'.")
     if not path.is_file():
         raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
     return path
@@ -57,7 +60,7 @@ def _last_checkpoint(trainer: Trainer) -> Path | None:
     own = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if own and Path(own).is_file():
         return Path(own)
-    if trainer.module is not None:  # this Trainer ran: its own run's newest checkpoint, never another run's
+    if trainer.module is not None:  # this Trainer ran: its own run's furthest-trained checkpoint, never another run's
         folder = getattr(trainer.checkpoint_callback, "dirpath", None)
         newest = checkpoint_files([Path(folder)]) if folder else []
         return newest[0] if newest else None
@@ -68,20 +71,23 @@ def _last_checkpoint(trainer: Trainer) -> Path | None:
 
 @dataclass(frozen=True)
 class NewestCheckpoint:
-    """`ckpt_path="last"`: the newest checkpoint in `folder` that loads, chosen where it is loaded."""
+    """`ckpt_path="last"`: the furthest-trained checkpoint in `folder` that loads, chosen where it is loaded."""
 
     folder: Path
 
 
 def checkpoint_files(folders: Iterable[Path]) -> list[Path]:
-    """Every *.ckpt under `folders`, newest first (at equal times, last.ckpt first)."""
-    found: dict[Path, tuple[int, bool, Path]] = {}
+    """Every *.ckpt under `folders`, the furthest trained first, by the position saved in it: a file's time
+    says nothing once a folder was copied or touched. Then last.ckpt first, then the newest; files that do
+    not load come last (loading them says why)."""
+    found: dict[Path, tuple[tuple[int, ...], bool, int, Path]] = {}
     for folder in folders:
         for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
             try:
-                found[path.resolve()] = (path.stat().st_mtime_ns, path.stem.startswith("last"), path)
+                modified = path.stat().st_mtime_ns
             except OSError:
                 continue  # removed while we looked (a top-k eviction)
+            found[path.resolve()] = (saved_position(path) or (-1,), path.stem.startswith("last"), modified, path)
     return [path for *_, path in sorted(found.values(), reverse=True)]
 
 

@@ -105,9 +105,7 @@ class Trainer:
                 loggers.append(CSVLogger(root, name))
             elif item == "tensorboard":
                 loggers.append(TensorBoardLogger(root, name))
-            else:
-                raise MisconfigurationError(f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
-        return loggers
+        return loggers  # anything else was refused by config.validate
 
     def _with_default_callbacks(self, callbacks: list[Callback]) -> list[Callback]:
         from callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
@@ -302,7 +300,7 @@ class Trainer:
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         self._check_inputs(module, datamodule, stage, dataloaders)
         results = self._dispatch(stage, module, datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
-        if verbose and self.is_global_zero:
+        if verbose and results and self.is_global_zero:
             print_results_table(results, stage)
         return results
 
@@ -310,6 +308,7 @@ class Trainer:
         if not isinstance(module, TrainModule):
             got = "no module" if module is None else type(module).__name__
             raise MisconfigurationError(f"Trainer.{stage} needs a TrainModule; got {got}.")
+        self.strategy.check_module(module, stage)
         if stage == "fit" and type(module).configure_optimizers is TrainModule.configure_optimizers:
             module.configure_optimizers()  # raises the explanatory error
         if stage == "fit" and not module.automatic_optimization:
@@ -432,7 +431,8 @@ class Trainer:
                 logger.version = self.strategy.broadcast(logger.version if self.is_global_zero else None)
         if not self.loggers:  # a resume continues in its run's folder, as loggers do through their state
             loops = (checkpoint or {}).get("loops", {})
-            ours = loops.get("folder") == run_folder(self.config.default_root_dir, self.config.name)
+            here = run_folder(self.config.default_root_dir, self.config.name)
+            ours = "version" in loops and loops.get("folder", here) == here
             version = loops["version"] if ours else self._run_version() if self.is_global_zero else None
             self._version = self.strategy.broadcast(version)
         if self.is_global_zero and self.module is not None and self.loggers:

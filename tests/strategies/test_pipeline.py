@@ -371,7 +371,7 @@ def test_schedule_names_match_torch_spelling_too():
     assert configured(schedule="Interleaved1F1B", stages_per_rank=2).schedule_name == "interleaved_1f1b"
 
 
-def test_model_errors_name_the_fix():
+def test_model_errors_name_the_fix(monkeypatch):
     with pytest.raises(MisconfigurationError, match="valid names: embed, blocks, blocks.0, blocks.0.0"):
         build_stage_modules(fresh(depth=2), 2, ["block.1"])
     with pytest.raises(MisconfigurationError, match="4 layers with parameters .* but 5 pipeline stages"):
@@ -382,8 +382,29 @@ def test_model_errors_name_the_fix():
             super().__init__()
             self.layer = nn.Linear(2, 2)
 
+    class Sampling(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+        def pipeline_loss(self, output, batch):
+            return output.sum()
+
+        def predict_step(self, batch, batch_idx):
+            return "text"
+
+    # Refused in the calling process, before any worker starts.
+    started = []
+    monkeypatch.setattr("trainer.launcher.launch", lambda *args: started.append(args))
+    trainer = Trainer(strategy={"name": "pipeline"}, devices=2, accelerator="cpu", logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(MisconfigurationError, match="must define pipeline_loss"):
-        configured().setup_module(NoLoss())
+        trainer.fit(NoLoss(), DataLoader(dataset(), batch_size=8))
+    with pytest.raises(MisconfigurationError, match=r"Sampling.predict_step cannot run under strategy='pipeline'.*"
+                                                    r"Predict with strategy='single' or 'ddp'"):
+        trainer.predict(Sampling(), DataLoader(dataset(), batch_size=8))
+    assert started == []
+    configured().check_module(Sampling(), "fit")  # trains and validates on pipeline_loss
 
 
 def test_batch_size_must_split_into_microbatches():

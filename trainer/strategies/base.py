@@ -154,6 +154,9 @@ class Strategy:
         return self.global_rank
 
     # ------------------------------------------------------------------ the model
+    def check_module(self, module: TrainModule, stage: str) -> None:
+        """Refuse, before any process starts, a module this strategy cannot run `stage` ("fit", ...) with."""
+
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
         self.module = module.to(self.root_device)

@@ -202,12 +202,22 @@ class PipelineStrategy(Strategy):
         return self.global_rank // self.stages
 
     # ------------------------------------------------------------------ the model
+    def check_module(self, module: TrainModule, stage: str) -> None:
+        if stage == "fit" and not module.automatic_optimization:
+            raise MisconfigurationError("strategy='pipeline' runs its schedule's backward; set automatic_optimization = True.")
+        own_step = {"validate": "pipeline_validation_step", "test": "pipeline_test_step"}.get(stage)
+        needs_loss = stage == "fit" or (own_step is not None and not hasattr(module, own_step))
+        if needs_loss and type(module).pipeline_loss is TrainModule.pipeline_loss:
+            module.pipeline_loss(None, None)  # raises the explanatory error naming the hook
+        if stage == "predict" and type(module).predict_step is not TrainModule.predict_step:
+            raise MisconfigurationError(
+                f"{type(module).__name__}.predict_step cannot run under strategy='pipeline': each process holds one "
+                "stage of the model, and pipeline's predict returns the last stage's output for pipeline_input(batch). "
+                "Predict with strategy='single' or 'ddp': a pipeline run's checkpoints load into any strategy."
+            )
+
     def setup_module(self, module: TrainModule) -> None:
         """Cut the module into stages, keep this rank's on its device (the rest stays where it was)."""
-        if not module.automatic_optimization:
-            raise MisconfigurationError("strategy='pipeline' runs its schedule's backward; set automatic_optimization = True.")
-        if type(module).pipeline_loss is TrainModule.pipeline_loss:
-            module.pipeline_loss(None, None)  # raises the explanatory error naming the hook
         chunks = build_stage_modules(module, self.num_chunks, self.split_points, self.precision.autocast)
         owned = stage_ownership(module, chunks)
         placements = [stage_placement(r, self.stages, self.stages_per_rank, self.schedule_name) for r in range(self.stages)]
