@@ -436,7 +436,7 @@ def test_load_from_checkpoint_passes_only_the_hparams_init_takes(tmp_path):
     loaded = Forwarding.load_from_checkpoint(tmp_path / "forwarding.ckpt")
     assert loaded.layer.out_features == 7
     # Overrides win over the saved values.
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    with pytest.raises(CheckpointError, match=r"does not fit Forwarding: other shapes: layer.weight \[7, 6\] in the checkpoint"):
         Forwarding.load_from_checkpoint(tmp_path / "forwarding.ckpt", width=8)
 
     # An __init__ that takes any keyword gets every saved key.

@@ -77,26 +77,39 @@ class NewestCheckpoint:
 
 
 def checkpoint_files(folders: Iterable[Path]) -> list[Path]:
-    """Every *.ckpt under `folders`, the furthest trained first, by the position saved in it: a file's time
-    says nothing once a folder was copied or touched. Then last.ckpt first, then the newest; files that do
-    not load come last (loading them says why)."""
-    found: dict[Path, tuple[tuple[int, ...], bool, int, Path]] = {}
+    """Every *.ckpt under `folders`: those that read, the furthest trained first; then those that do not."""
+    readable, unreadable = _ranked_checkpoints(folders)
+    return readable + unreadable
+
+
+def _ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[Path]]:
+    """The *.ckpt files under `folders` that read, ordered by the position saved in them, furthest first (a
+    file's time says nothing once a folder was copied or touched; at equal positions last.ckpt, then the
+    newest file), and those that do not read."""
+    ranked: dict[Path, tuple[tuple[int, ...], bool, int, Path]] = {}
+    unreadable: dict[Path, Path] = {}
     for folder in folders:
         for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
             try:
                 modified = path.stat().st_mtime_ns
             except OSError:
                 continue  # removed while we looked (a top-k eviction)
-            found[path.resolve()] = (saved_position(path) or (-1,), path.stem.startswith("last"), modified, path)
-    return [path for *_, path in sorted(found.values(), reverse=True)]
+            position = saved_position(path)
+            if position is None:
+                unreadable[path.resolve()] = path
+            else:
+                ranked[path.resolve()] = (position, path.stem.startswith("last"), modified, path)
+    return [path for *_, path in sorted(ranked.values(), reverse=True)], list(unreadable.values())
 
 
 def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict[str, Any]] | None:
-    """Rank 0 picks the newest loadable checkpoint in `folders`, warning about each it skips; every rank loads it."""
+    """Rank 0 picks the furthest-trained loadable checkpoint in `folders`, warning about every file that does
+    not load (it may have held later steps); every rank loads the choice."""
     choice, checkpoint = None, None
     if strategy.is_global_zero:
+        readable, unreadable = _ranked_checkpoints(folders)
         skipped: list[CheckpointError] = []
-        for path in checkpoint_files(folders):
+        for path in readable:
             try:
                 checkpoint = strategy.load_checkpoint(path)
             except CheckpointError as err:
@@ -104,8 +117,13 @@ def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict
                 continue
             choice = str(path)
             break
+        for path in unreadable:
+            try:
+                strategy.load_checkpoint(path)
+            except CheckpointError as err:  # what is wrong with it, in the loader's words
+                skipped.append(err)
         for err in skipped:
-            instead = f"resuming from {choice!r} instead" if choice else "no older checkpoint loads either"
+            instead = f"resuming from {choice!r} instead" if choice else "no other checkpoint loads either"
             warnings.warn(f"{err} Skipped it: {instead}.", stacklevel=3)
     choice = strategy.broadcast(choice)
     if choice is None:
