@@ -356,9 +356,9 @@ class CSVLogger(Logger):
                     rows.append({k: int(float(v)) if k in ("step", "epoch") else float(v)
                                  for k, v in row.items() if v != ""})
         saved, step = state.get("rows", len(rows)), state.get("step", -1)
-        self._redoable = [row for row in rows[saved:] if row.get("step", step + 1) <= step]
-        self.rows = rows[:saved] + self._redoable
-        self._redoable = [row for row in self._redoable if row.get("step") == step]
+        kept_after = [row for row in rows[saved:] if row.get("step", step + 1) <= step]
+        self.rows = rows[:saved] + kept_after
+        self._redoable = [row for row in kept_after if row.get("step") == step]
         self._columns, self._written = [], 0  # forces a rewrite that drops the rows left out
 
     def _drop_redone(self, row: dict[str, Any]) -> None:
