@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -277,3 +278,193 @@ def test_a_run_stopped_mid_epoch_by_max_steps_resumes_with_the_epochs_running_va
     assert first.seen == [(0, 16.0)]  # what the stopped run had seen of epoch 0
     assert resumed.seen == [(0, 20.0), (1, 20.0)]  # epoch 0 whole, as if never stopped
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["version_0"]  # no logger, same run folder
+
+
+# --------------------------------------------------------------------------- Lightning's logging semantics, hook by hook
+
+
+class Probe(TrainModule):
+    """A linear model whose hooks log what each test needs; `hooks` maps a hook name to a function(module, ...)."""
+
+    def __init__(self, hooks=None, plateau=False) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+        self.hooks, self.plateau = hooks or {}, plateau
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.layer(x), y)
+        if "training_step" in self.hooks:
+            self.hooks["training_step"](self, batch_idx, loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        if "validation_step" in self.hooks:
+            self.hooks["validation_step"](self, batch, batch_idx, dataloader_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if "on_train_batch_end" in self.hooks:
+            self.hooks["on_train_batch_end"](self, batch_idx)
+
+    def on_train_epoch_start(self):
+        if "on_train_epoch_start" in self.hooks:
+            self.hooks["on_train_epoch_start"](self)
+
+    def on_train_epoch_end(self):
+        if "on_train_epoch_end" in self.hooks:
+            self.hooks["on_train_epoch_end"](self)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if not self.plateau:
+            return optimizer
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "epoch_score"}}
+
+
+def probe_fit(tmp_path, module, train, val=None, **options):
+    trainer = Trainer(**{"max_epochs": 2, **QUIET, "default_root_dir": str(tmp_path), "log_every_n_steps": 1, **options})
+    trainer.fit(module, DataLoader(train, batch_size=8), DataLoader(val, batch_size=8) if val is not None else None)
+    return trainer, read_csv(trainer.log_dir / "metrics.csv")[1]
+
+
+def test_monitors_see_logger_false_values_and_the_plain_name_of_step_and_epoch_values(datasets, tmp_path):
+    from callbacks import EarlyStopping, ModelCheckpoint
+
+    seen = []
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(sorted(trainer.callback_metrics))
+
+    def log(module, batch_idx, loss):
+        module.log("quiet", loss, logger=False)
+        module.log("both", loss, on_step=True, on_epoch=True)
+
+    stopping, every_step = EarlyStopping("quiet", patience=5), ModelCheckpoint(monitor="both", every_n_train_steps=1,
+                                                                               save_top_k=1, dirpath=tmp_path / "ckpts")
+    trainer, rows = probe_fit(tmp_path, Probe({"training_step": log}), *datasets, callbacks=[Look(), stopping, every_step],
+                              enable_checkpointing=True)
+    assert seen[0] == ["both", "both_step", "quiet"]  # as Lightning: the step value also under its plain name
+    assert stopping.best_score is not None and every_step.best_model_path  # both could monitor
+    assert all("quiet" not in row or row["quiet"] == "" for row in rows)  # logger=False stays out of the file
+
+
+def test_values_logged_in_on_train_batch_end_are_written_with_their_step(datasets, tmp_path):
+    class FromCallback(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            module.log("from_callback", float(trainer.global_step))
+
+    def hook(module, batch_idx):
+        module.log("from_module", float(module.global_step))
+
+    _, rows = probe_fit(tmp_path, Probe({"on_train_batch_end": hook}), datasets[0], callbacks=[FromCallback()])
+    step_rows = [row for row in rows if row.get("from_module")]
+    assert [(row["step"], float(row["from_module"]), float(row["from_callback"])) for row in step_rows] == [
+        (str(s), float(s), float(s)) for s in range(1, 7)]
+
+
+def test_a_checkpoint_saved_in_on_train_batch_end_counts_its_steps_row_and_keeps_later_values(datasets, tmp_path):
+    from callbacks import ModelCheckpoint
+
+    def loss(module, batch_idx, value):
+        module.log("loss", value)
+
+    def hook(module, batch_idx):  # the module's hook runs after the callbacks', so after the checkpoint
+        module.log("from_module", float(module.global_step))
+
+    every_step = ModelCheckpoint(every_n_train_steps=1, save_top_k=-1, filename="{step}", dirpath=tmp_path / "ckpts")
+    _, rows = probe_fit(tmp_path, Probe({"training_step": loss, "on_train_batch_end": hook}), datasets[0],
+                        callbacks=[every_step], enable_checkpointing=True)
+    for step in range(1, 7):  # both of the step's values are in the file, at that step
+        at_step = [row for row in rows if row["step"] == str(step)]
+        assert any(row.get("loss") for row in at_step) and any(row.get("from_module") == f"{step}.0" for row in at_step)
+    saved = torch.load(tmp_path / "ckpts" / "step=3.ckpt", weights_only=True)["loggers"][0]["rows"]
+    assert rows[saved - 1]["step"] == "3" and rows[saved - 1]["loss"]  # the checkpoint counts step 3's loss row
+
+
+def test_evaluation_step_values_are_written_per_batch_and_epoch_start_values_per_epoch(datasets, tmp_path):
+    def per_batch(module, batch, batch_idx, dataloader_idx):
+        module.log("val_batch", float(batch_idx), on_step=True, on_epoch=False)
+
+    def at_epoch_start(module):
+        module.log("epoch_start", float(module.current_epoch + 10))  # Lightning's default here: on_epoch
+
+    trainer, rows = probe_fit(tmp_path, Probe({"validation_step": per_batch, "on_train_epoch_start": at_epoch_start}),
+                              *datasets)
+    assert [(row["step"], row["val_batch"]) for row in rows if row.get("val_batch")] == [
+        ("3", "0.0"), ("3", "1.0"), ("3", "2.0"), ("6", "0.0"), ("6", "1.0"), ("6", "2.0")]  # the sanity check's: none
+    assert all(not row.get("val_batch") for row in rows if row.get("train_loss") or row.get("epoch_start"))
+    assert [(row["step"], row["epoch_start"]) for row in rows if row.get("epoch_start")] == [("3", "10.0"), ("6", "11.0")]
+    assert "val_batch" not in trainer.callback_metrics  # evaluation step values are written, never monitored
+
+
+def test_half_precision_values_average_in_float32_and_batch_sizes_skip_strings(tmp_path):
+    class Half(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(1, 1)
+
+        def validation_step(self, batch, batch_idx):
+            self.log("bf16", torch.tensor(1.0, dtype=torch.bfloat16))
+            self.log("fp16", torch.tensor(100.0, dtype=torch.float16))
+            self.log("numpy", np.float32(1.5))
+            self.log("x_mean", batch["x"].mean())  # weighted by the batch's size, 4, 4 and 2: not by the strings
+
+    samples = [{"text": f"sample {i}", "x": torch.tensor([float(i)])} for i in range(10)]
+    for _ in range(49):
+        samples += samples[:10]
+    [result] = Trainer(**QUIET, logger=False).validate(Half(), DataLoader(samples[:10], batch_size=4))
+    assert result == {"bf16": 1.0, "fp16": 100.0, "numpy": 1.5, "x_mean": pytest.approx(4.5)}
+    [long] = Trainer(**QUIET, logger=False).validate(Half(), DataLoader(samples, batch_size=1))  # 500 batches
+    assert (long["bf16"], long["fp16"]) == (1.0, 100.0)  # bf16 sums stall at 256, fp16 sums overflow
+
+
+def test_several_loaders_name_step_and_epoch_values_as_lightning_does(datasets):
+    def both(module, batch, batch_idx, dataloader_idx):
+        module.log("vl", float(dataloader_idx * 10 + 1), on_step=True, on_epoch=True)
+
+    train, val = datasets
+    results = Trainer(**QUIET, logger=False).validate(Probe({"validation_step": both}),
+                                                     [DataLoader(val, batch_size=8), DataLoader(train, batch_size=8)])
+    assert results == [{"vl_epoch/dataloader_idx_0": 1.0}, {"vl_epoch/dataloader_idx_1": 11.0}]
+
+
+def test_plateau_schedulers_see_what_on_train_epoch_end_logged(datasets, tmp_path):
+    scores = iter([1.0, 2.0, 3.0])
+
+    def log_score(module):
+        module.log("epoch_score", next(scores))  # worse every epoch: patience 0 cuts the rate after each but the first
+
+    trainer, _ = probe_fit(tmp_path, Probe({"on_train_epoch_end": log_score}, plateau=True), datasets[0], max_epochs=3)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**2)
+
+
+def test_a_metric_logged_per_step_restarts_each_epoch_after_the_epoch_end_hooks(datasets, tmp_path):
+    from torchmetrics.aggregation import SumMetric
+
+    computed = []
+
+    def count(module, batch_idx, loss):
+        module.counter(1.0)
+        module.log("count", module.counter)  # on_step only
+
+    def read(module):
+        computed.append(float(module.counter.compute()))
+
+    module = Probe({"training_step": count, "on_train_epoch_end": read})
+    module.counter = SumMetric()
+    probe_fit(tmp_path, module, datasets[0], max_epochs=3)
+    assert computed == [3.0, 3.0, 3.0]  # 3 batches an epoch; readable in on_train_epoch_end, reset after it
+
+
+def test_each_stage_reports_only_its_own_values(datasets, tmp_path):
+    def log(module, batch_idx, loss):
+        module.log("train_only", loss)
+
+    train, val = datasets
+    trainer, _ = probe_fit(tmp_path, Probe({"training_step": log,
+                                            "validation_step": lambda m, b, i, d: m.log("val_value", 1.0)}), train, val)
+    assert {"train_only", "val_value"} <= set(trainer.callback_metrics)
+    trainer.validate(dataloaders=DataLoader(val, batch_size=8), verbose=False)
+    assert set(trainer.callback_metrics) == {"val_value"}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import signal
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,17 +109,23 @@ class ResumableBatchSampler(BatchSampler):
 
 
 def batch_size_of(batch: Any) -> int:
-    """The leading dimension of the first tensor in a batch (the weight of its logged means)."""
+    """The leading dimension of the first tensor in a batch (the weight of its logged means); 1 without one."""
+    return _first_tensor_size(batch) or 1
+
+
+def _first_tensor_size(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
-    if isinstance(batch, dict):
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        batch = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    elif isinstance(batch, Mapping):
         batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)):  # strings and other leaves say nothing about the batch's size
         for item in batch:
-            size = batch_size_of(item)
-            if size:
+            size = _first_tensor_size(item)
+            if size is not None:
                 return size
-    return 1
+    return None
 
 
 def samples_in_batches(loader: DataLoader, start: int, end: int) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import numbers
 import os
 import re
 import sys
@@ -42,7 +43,7 @@ def _to_tensor(name: str, value: Any) -> torch.Tensor:
         if value.numel() != 1:
             raise MisconfigurationError(f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars.")
         return value.detach().reshape(())
-    if isinstance(value, (int, float, bool)):
+    if isinstance(value, numbers.Real):  # numpy scalars too
         return torch.tensor(float(value))
     raise MisconfigurationError(
         f"self.log({name!r}) got {type(value).__name__}; log a number, a scalar tensor or a torchmetrics Metric."
@@ -76,6 +77,9 @@ class MetricCollector:
         # This step's on_step values, filled by `log` itself so that taking them costs nothing per entry.
         self._step_for_logger: dict[str, torch.Tensor] = {}
         self._step_for_bar: dict[str, torch.Tensor] = {}
+        # As in Lightning, monitors see every training step value, logger=False ones too, under its name and,
+        # when it is also aggregated per epoch, under `<name>_step`.
+        self._step_for_callbacks: dict[str, torch.Tensor] = {}
         self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
         self.in_step = True  # False inside epoch-end hooks, where defaults switch to on_epoch
         self.name_suffix = ""  # "/dataloader_idx_<i>" while one of several evaluation loaders runs
@@ -94,7 +98,8 @@ class MetricCollector:
         on_epoch = (not step_default) if on_epoch is None else on_epoch
         entry = self._entries.get((self.stage, name))
         if entry is None:
-            entry = self._add(self.stage, name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist))
+            entry = self._add(self.stage, name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist),
+                              self.name_suffix)
         entry.updated = True
         if type(value) is torch.Tensor and value.ndim == 0:  # the usual value, checked first: this runs every step
             # `.data` is `.detach()` (the same storage, no graph) without a trip through the dispatcher; it is only
@@ -111,7 +116,13 @@ class MetricCollector:
                 self._step_for_logger[entry.step_key] = step_value
             if entry.prog_bar:
                 self._step_for_bar[name] = step_value
+            if self.stage == "train":  # evaluation step values are written, never monitored
+                self._step_for_callbacks[name] = step_value
+                if entry.step_key != name:
+                    self._step_for_callbacks[entry.step_key] = step_value
         if on_epoch:
+            if tensor.dtype in (torch.float16, torch.bfloat16):  # a sum over an epoch needs float32's range and digits
+                tensor = tensor.float()
             weight = float(batch_size or batch_size_of(self.batch))
             if entry.total is None:
                 entry.total = tensor * weight if reduce_fx == "mean" else tensor.clone()
@@ -123,41 +134,55 @@ class MetricCollector:
                 entry.total = torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
             entry.weight += weight
 
-    def _add(self, stage: str, name: str, entry: _Entry) -> _Entry:
+    def _add(self, stage: str, name: str, entry: _Entry, loader_suffix: str = "") -> _Entry:
         both = entry.on_step and entry.on_epoch  # then the two values are told apart by a suffix
-        entry.step_key, entry.epoch_key = (f"{name}_step", f"{name}_epoch") if both else (name, name)
+        if both:  # before a loader's suffix, as Lightning names them: `loss_epoch/dataloader_idx_1`
+            base = name[: len(name) - len(loader_suffix)]
+            entry.step_key, entry.epoch_key = f"{base}_step{loader_suffix}", f"{base}_epoch{loader_suffix}"
+        else:
+            entry.step_key = entry.epoch_key = name
         self._entries[stage, name] = entry
         return entry
 
-    def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(values for loggers, values for the progress bar) logged in the current step, which they leave."""
-        for_logger, for_bar = self._step_for_logger, self._step_for_bar
+    def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(values for loggers, for the progress bar, for callbacks) logged in the current step, which they leave."""
+        for_logger, for_bar, for_callbacks = self._step_for_logger, self._step_for_bar, self._step_for_callbacks
         if for_logger:
             self._step_for_logger = {}
         if for_bar:
             self._step_for_bar = {}
-        return for_logger, for_bar
+        if for_callbacks:
+            self._step_for_callbacks = {}
+        return for_logger, for_bar, for_callbacks
 
-    def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Aggregate the current stage's on_epoch values (Metrics computed over the epoch, synced), then reset them."""
-        for_logger, for_bar = {}, {}
+    def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Aggregate the current stage's on_epoch values (Metrics computed over the epoch, synced), then reset them:
+        (values for loggers, for the progress bar, for callbacks: logger=False ones too)."""
+        for_logger, for_bar, for_callbacks = {}, {}, {}
         for (stage, name), entry in self._entries.items():
             if stage != self.stage or not entry.on_epoch or not entry.updated:
                 continue
             entry.updated = False
             if entry.metric is not None:
-                value = entry.metric.compute().detach()
-                entry.metric.reset()
+                value = entry.metric.compute().detach()  # reset by reset_metrics, once the epoch's hooks have run
             elif entry.total is not None:
                 value = self._epoch_tensor(entry)
             else:
                 continue
+            for_callbacks[entry.epoch_key] = value
             if entry.logger:
                 for_logger[entry.epoch_key] = value
             if entry.prog_bar:
                 for_bar[name] = value
             entry.total, entry.weight = None, 0.0
-        return for_logger, for_bar
+        return for_logger, for_bar, for_callbacks
+
+    def reset_metrics(self) -> None:
+        """Reset the torchmetrics Metrics logged in the current stage, per step or per epoch: as in Lightning,
+        after the epoch-end hooks, which may still compute them."""
+        for (stage, _), entry in self._entries.items():
+            if stage == self.stage and entry.metric is not None:
+                entry.metric.reset()
 
     def _epoch_tensor(self, entry: _Entry) -> torch.Tensor:
         assert entry.total is not None

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from trainer.data import data_wait_advice, measure_data_wait, merge_prediction_shares, set_epoch, skip_batches
@@ -97,6 +98,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         trainer.call("on_sanity_check_end")
         trainer.sanity_checking = False
 
+    trainer.metrics.in_step = False  # as in Lightning, on_train_start and on_train_epoch_start log per epoch
     trainer.call("on_train_start")
     max_epochs = config.resolved_max_epochs()
     watch_data = True  # in the first epoch of this fit: how long the steps wait for their batches
@@ -105,8 +107,9 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         set_epoch(train_loader, progress.epoch)
         if not skip_batches(train_loader, progress.epoch_batches):
             raise MisconfigurationError("this dataloader cannot resume mid-epoch; checkpoint at epoch ends instead.")
-        trainer.metrics.stage, trainer.metrics.in_step = "train", True
+        trainer.metrics.stage, trainer.metrics.in_step = "train", False
         trainer.call("on_train_epoch_start")
+        trainer.metrics.in_step = True
         resumed_at = progress.epoch_batches
         if 0 < resumed_at < num_batches and resumed_at % val_every == 0 and resumed_at != progress.validated_batches:
             _validate_mid_epoch(trainer, val_loaders)  # resumed from a checkpoint taken before this validation
@@ -138,17 +141,24 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         running = None if progress.epoch_done else trainer.metrics.state_dict()
         trainer.metrics.in_step = False
         trainer.publish_epoch_metrics()
-        # Epoch schedulers step before on_train_epoch_end, where checkpoints are written, so a
-        # checkpoint taken at the epoch's end already holds the scheduler state of the next epoch.
+        # Epoch schedulers step before the monitors' on_train_epoch_end, where checkpoints are written, so a
+        # checkpoint taken at the epoch's end already holds the scheduler state of the next epoch; the others
+        # before the epoch-end hooks, ReduceLROnPlateau after them, as in Lightning, so it sees what they log.
         # Under manual optimization the user steps schedulers (as in Lightning); stepping here would double them.
-        for scheduler in trainer.lr_scheduler_configs if module.automatic_optimization else ():
-            if scheduler.interval == "epoch" and progress.epoch_done and (progress.epoch + 1) % scheduler.frequency == 0:
+        due = [scheduler for scheduler in trainer.lr_scheduler_configs if module.automatic_optimization
+               and scheduler.interval == "epoch" and progress.epoch_done and (progress.epoch + 1) % scheduler.frequency == 0]
+        for scheduler in due:
+            if not isinstance(scheduler.scheduler, ReduceLROnPlateau):
                 step_scheduler(scheduler, trainer.callback_metrics)
         trainer.call("on_train_epoch_end")
         trainer.publish_epoch_metrics()  # what on_train_epoch_end itself logged, which the monitors decide on too
+        for scheduler in due:
+            if isinstance(scheduler.scheduler, ReduceLROnPlateau):
+                step_scheduler(scheduler, trainer.callback_metrics)
         if running:
             trainer.metrics.load_state_dict(running)
         trainer.call_monitors("on_train_epoch_end")
+        trainer.metrics.reset_metrics()
         if not progress.epoch_done:
             break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
         progress.new_epoch()
@@ -262,10 +272,12 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
                 trainer.call(f"on_{hook}_batch_start", batch, batch_idx, dataloader_idx)
                 outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx if several else None)
                 trainer.call(f"on_{hook}_batch_end", outputs, batch, batch_idx, dataloader_idx)
+                trainer.write_eval_step_metrics()
     trainer.metrics.in_step, trainer.metrics.name_suffix = False, ""
     trainer.call(f"on_{hook}_epoch_end")
     results = trainer.publish_epoch_metrics(log=not trainer.sanity_checking)
     trainer.call(f"on_{hook}_end")
+    trainer.metrics.reset_metrics()
     trainer.metrics.stage = saved_stage
     if not several:
         return [results]

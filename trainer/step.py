@@ -66,9 +66,12 @@ class TrainStep:
             if self.guard.allow_step(outputs, batch_idx, stepping):
                 self.optimizer_step()
         progress.epoch_batches = batch_idx + 1
-        self.trainer.publish_step_metrics()
-        if self.on_train_batch_end is not None:
+        if self.on_train_batch_end is None:
+            self.trainer.publish_step_metrics()
+        else:  # the hooks see this step's values, and the step's row also holds what they log
+            self.trainer.publish_step_metrics(write=False)
             self.on_train_batch_end(outputs, batch, batch_idx)
+            self.trainer.publish_step_metrics()
 
     def optimizer_step(self) -> None:
         """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers."""

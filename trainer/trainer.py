@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,8 @@ class Trainer:
         #: (share of the time, seconds a batch) the fit waited for training batches, measured on its first ones.
         self.data_wait: tuple[float, float] | None = None
         self._last_logged_step = -1
+        self._step_row: dict[str, torch.Tensor] | None = None  # a step's values waiting for on_train_batch_end
+        self._row_written_early = False
         self._hook_targets: dict[str, tuple[list[Any], Any]] = {}  # hook -> (callback methods, module method)
         #: The resolved recipe (set by the `trainer` command); rank 0 saves it as config.yaml in the run folder.
         self.run_config: dict[str, Any] | None = None
@@ -231,34 +234,56 @@ class Trainer:
             module_hook = None  # TrainModule's hooks are empty
         return methods, module_hook
 
-    def publish_step_metrics(self) -> None:
-        """Make this step's logged values visible to callbacks and the bar; write them every n steps."""
+    def publish_step_metrics(self, write: bool = True) -> None:
+        """Make this step's logged values visible to callbacks and the bar; write them every n steps. With
+        `write=False` the row waits for the next call, so that it also holds what on_train_batch_end logs."""
         assert self.metrics is not None
-        for_logger, for_bar = self.metrics.take_step_values()
+        for_logger, for_bar, for_callbacks = self.metrics.take_step_values()
         if for_bar:
             self.progress_bar_metrics.update(for_bar)
-        if not for_logger:
-            return
-        self.callback_metrics.update(for_logger)
+        if for_callbacks:
+            self.callback_metrics.update(for_callbacks)
+        if for_logger:
+            pending = self._step_row
+            self._step_row = {**pending, **for_logger} if pending else for_logger
+        if write:
+            self._write_step_row()
+            self._row_written_early = False
+
+    def _write_step_row(self) -> None:
+        row, self._step_row = self._step_row, None
         step = self.progress.batches_stepped
-        if step % self.config.log_every_n_steps == 0 and step != self._last_logged_step:
+        # One row per step: later micro-batches of an accumulated step share it and are not written, unless a
+        # checkpoint wrote the step's row early (see save_checkpoint) and on_train_batch_end logged more after it.
+        if row and step % self.config.log_every_n_steps == 0 and (step != self._last_logged_step or self._row_written_early):
             self._last_logged_step = step
-            self._write({**for_logger, "epoch": self.progress.epoch}, step)
+            self._write({**row, "epoch": self.progress.epoch}, step)
+
+    def write_eval_step_metrics(self) -> None:
+        """Write what an evaluation step logged with on_step=True, at the training step it was logged in."""
+        assert self.metrics is not None
+        for_logger, for_bar, _ = self.metrics.take_step_values()
+        if for_bar:
+            self.progress_bar_metrics.update(for_bar)
+        if for_logger and not self.sanity_checking:
+            self._write({**for_logger, "epoch": self.progress.epoch}, self.progress.batches_stepped)
 
     def publish_epoch_metrics(self, log: bool = True) -> dict[str, float]:
-        """Aggregate the epoch's on_epoch values (synced across ranks) and write them."""
+        """Aggregate the epoch's on_epoch values (synced across ranks) and write them; returns every value
+        aggregated, logger=False ones too."""
         assert self.metrics is not None
-        for_logger, for_bar = self.metrics.epoch_values()
+        for_logger, for_bar, for_callbacks = self.metrics.epoch_values()
         if not log:
             return {}
-        self.callback_metrics.update(for_logger)
-        for key in list(for_logger):
-            if key.endswith("_epoch"):
-                self.callback_metrics[key[: -len("_epoch")]] = for_logger[key]
+        self.callback_metrics.update(for_callbacks)
+        for key, value in for_callbacks.items():  # `loss_epoch` (or `loss_epoch/dataloader_idx_1`) is also `loss`
+            name = _EPOCH_SUFFIX.sub("", key, count=1)
+            if name != key:
+                self.callback_metrics[name] = value
         self.progress_bar_metrics.update(for_bar)
         if for_logger:
             self._write({**for_logger, "epoch": self.progress.epoch}, self.progress.batches_stepped)
-        return {k: float(v) for k, v in for_logger.items()}
+        return {k: float(v) for k, v in for_callbacks.items()}
 
     def _write(self, values: dict[str, Any], step: int) -> None:
         floats = {k: v if k == "epoch" else float(v) for k, v in values.items()}
@@ -367,6 +392,8 @@ class Trainer:
             seed_everything(self.config.seed, self.config.deterministic)
         module._trainer = self
         self.metrics = MetricCollector(strategy.reduce)
+        # Each stage reports its own values, as in Lightning: a test after a fit does not show the fit's.
+        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
         try:
             checkpoint = load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
@@ -480,6 +507,9 @@ class Trainer:
                 + (f"The run's last checkpoint is {last}; " if last else "")
                 + "call it inside the run (a callback's on_train_end), or save the weights: torch.save(module.state_dict(), path)."
             )
+        if self._step_row:  # saved in on_train_batch_end: the step's row so far belongs before the checkpoint
+            self._write_step_row()
+            self._row_written_early = True
         if self.is_global_zero:
             for logger in self.loggers:
                 logger.save()  # the file must hold every row the checkpoint counts
@@ -497,6 +527,9 @@ Trainer.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined
     + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
        for f in dataclasses.fields(TrainerConfig)]
 )
+
+
+_EPOCH_SUFFIX = re.compile(r"_epoch(?=$|/dataloader_idx_\d+$)")
 
 
 def _equal(a: Any, b: Any) -> bool:
