@@ -394,6 +394,7 @@ class Trainer:
         self.metrics = MetricCollector(strategy.reduce)
         # Each stage reports its own values, as in Lightning: a test after a fit does not show the fit's.
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+        self._step_row, self._row_written_early = None, False  # a failed stage's unfinished row is not this one's
         try:
             checkpoint = load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
