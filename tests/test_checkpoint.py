@@ -177,7 +177,7 @@ class BatchCount(Callback):
 
 def test_last_is_the_furthest_trained_checkpoint_whatever_the_files_times(tmp_path):
     from callbacks import ModelCheckpoint
-    from trainer.resume import checkpoint_files
+    from trainer.resume import ranked_checkpoints
 
     def run(max_epochs, ckpt_path=None):
         counted = BatchCount()
@@ -191,7 +191,7 @@ def test_last_is_the_furthest_trained_checkpoint_whatever_the_files_times(tmp_pa
     folder = Path(first.checkpoint_callback.dirpath)
     oldest = folder / "epoch=0-step=5.ckpt"
     os.utime(oldest, ns=(oldest.stat().st_mtime_ns + 10**12,) * 2)  # touched, or copied without its times
-    assert checkpoint_files([folder])[0].name == "last.ckpt"
+    assert ranked_checkpoints([folder])[0][0].name == "last.ckpt"
     resumed, counted = run(4, ckpt_path="last")
     assert counted.batches == 5 and resumed.global_step == 20  # one more epoch after the third, not three
 

@@ -198,7 +198,7 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
     try:
         trainer.strategy.load_model_state_dict(checkpoint["state_dict"])
     except RuntimeError as err:  # torch lists every key; say what differs in one line
-        differences = weights_mismatch(trainer.module.state_dict(), checkpoint["state_dict"]) or str(err).splitlines()[-1].strip()
+        differences = weights_mismatch(trainer.module.state_dict(), checkpoint["state_dict"], err)
         raise CheckpointError(f"the checkpoint's weights do not fit {type(trainer.module).__name__}: {differences}. "
                               "Build the model with the hparams it was trained with.") from err
     if not full:
@@ -281,8 +281,9 @@ def _rescale_epoch_position(trainer: Trainer, saved_size: int) -> None:
         )
 
 
-def weights_mismatch(own: dict[str, Any], saved: dict[str, Any], examples: int = 3) -> str:
-    """How `saved` weights differ from a module's `own`: keys missing, keys unexpected, shapes that differ."""
+def weights_mismatch(own: dict[str, Any], saved: dict[str, Any], error: RuntimeError, examples: int = 3) -> str:
+    """How `saved` weights differ from a module's `own`: keys missing, keys unexpected, shapes that differ; else
+    the last line of torch's `error` from loading them."""
 
     def some(items: list[str]) -> str:
         return ", ".join(items[:examples]) + (f", ... ({len(items)} in all)" if len(items) > examples else "")
@@ -294,7 +295,7 @@ def weights_mismatch(own: dict[str, Any], saved: dict[str, Any], examples: int =
                 and not isinstance(own[k], torch.nn.parameter.UninitializedParameter) and saved[k].shape != own[k].shape]
     parts = [f"{label} {some(keys)}" for label, keys in
              (("missing", missing), ("unexpected", unexpected), ("other shapes:", reshaped)) if keys]
-    return "; ".join(parts)
+    return "; ".join(parts) or str(error).splitlines()[-1].strip()
 
 
 def _plain(value: Any, replaced: list[Any]) -> Any:

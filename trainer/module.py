@@ -249,7 +249,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         try:
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
         except RuntimeError as err:  # torch lists every key; say what differs in one line
-            differences = weights_mismatch(module.state_dict(), checkpoint["state_dict"]) or str(err).splitlines()[-1].strip()
+            differences = weights_mismatch(module.state_dict(), checkpoint["state_dict"], err)
             raise CheckpointError(f"checkpoint {str(checkpoint_path)!r} does not fit {cls.__name__}: {differences}.") from err
         return module
 

@@ -35,7 +35,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | 
             raise MisconfigurationError('ckpt_path="best" needs a ModelCheckpoint with a monitor that has saved a checkpoint.')
         return Path(best)
     if ckpt_path == "last":
-        found = _last_checkpoint(trainer)
+        found = _last_checkpoint_folder(trainer)
         if found is None and trainer.module is not None:
             folder = getattr(trainer.checkpoint_callback, "dirpath", None)
             raise MisconfigurationError(
@@ -47,7 +47,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | 
                 f'ckpt_path="last": no last.ckpt under {Path(trainer.config.default_root_dir) / trainer.config.name}.'
             )
         # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's furthest-trained good one.
-        return NewestCheckpoint(found.parent)
+        return NewestCheckpoint(found)
     path = Path(ckpt_path)
     if path.is_dir():
         raise MisconfigurationError(f"ckpt_path {str(path)!r} is a folder; give a checkpoint file in it, or 'last'.")
@@ -56,17 +56,18 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | 
     return path
 
 
-def _last_checkpoint(trainer: Trainer) -> Path | None:
+def _last_checkpoint_folder(trainer: Trainer) -> Path | None:
+    """The folder whose furthest-trained good checkpoint "last" means; which file that is, load_newest decides
+    where the checkpoint is loaded (ranking reads every file's counters: once is enough)."""
     own = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if own and Path(own).is_file():
-        return Path(own)
-    if trainer.module is not None:  # this Trainer ran: its own run's furthest-trained checkpoint, never another run's
+        return Path(own).parent
+    if trainer.module is not None:  # this Trainer ran: its own run's checkpoints, never another run's
         folder = getattr(trainer.checkpoint_callback, "dirpath", None)
-        newest = checkpoint_files([Path(folder)]) if folder else []
-        return newest[0] if newest else None
+        return Path(folder) if folder and any(Path(folder).rglob("*.ckpt")) else None
     root = Path(trainer.config.default_root_dir) / trainer.config.name
     candidates = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    return candidates[-1] if candidates else None
+    return candidates[-1].parent if candidates else None
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,7 @@ class NewestCheckpoint:
     folder: Path
 
 
-def checkpoint_files(folders: Iterable[Path]) -> list[Path]:
-    """Every *.ckpt under `folders`: those that read, the furthest trained first; then those that do not."""
-    readable, unreadable = _ranked_checkpoints(folders)
-    return readable + unreadable
-
-
-def _ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[Path]]:
+def ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[Path]]:
     """The *.ckpt files under `folders` that read, ordered by the position saved in them, furthest first (a
     file's time says nothing once a folder was copied or touched; at equal positions last.ckpt, then the
     newest file), and those that do not read."""
@@ -107,7 +102,7 @@ def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict
     not load (it may have held later steps); every rank loads the choice."""
     choice, checkpoint = None, None
     if strategy.is_global_zero:
-        readable, unreadable = _ranked_checkpoints(folders)
+        readable, unreadable = ranked_checkpoints(folders)
         skipped: list[CheckpointError] = []
         for path in readable:
             try:

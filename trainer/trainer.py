@@ -247,17 +247,19 @@ class Trainer:
             pending = self._step_row
             self._step_row = {**pending, **for_logger} if pending else for_logger
         if write:
-            self._write_step_row()
+            if self._step_row:
+                self._write_step_row()
             self._row_written_early = False
 
     def _write_step_row(self) -> None:
+        """Write the pending step row (there is one), if this step is due for logging."""
         row, self._step_row = self._step_row, None
         step = self.progress.batches_stepped
         # One row per step: later micro-batches of an accumulated step share it and are not written, unless a
         # checkpoint wrote the step's row early (see save_checkpoint) and on_train_batch_end logged more after it.
-        if row and step % self.config.log_every_n_steps == 0 and (step != self._last_logged_step or self._row_written_early):
+        if step % self.config.log_every_n_steps == 0 and (step != self._last_logged_step or self._row_written_early):
             self._last_logged_step = step
-            self._write({**row, "epoch": self.progress.epoch}, step)
+            self._write(row, step)
 
     def write_eval_step_metrics(self) -> None:
         """Write what an evaluation step logged with on_step=True, at the training step it was logged in."""
@@ -266,7 +268,7 @@ class Trainer:
         if for_bar:
             self.progress_bar_metrics.update(for_bar)
         if for_logger and not self.sanity_checking:
-            self._write({**for_logger, "epoch": self.progress.epoch}, self.progress.batches_stepped)
+            self._write(for_logger, self.progress.batches_stepped)
 
     def publish_epoch_metrics(self, log: bool = True) -> dict[str, float]:
         """Aggregate the epoch's on_epoch values (synced across ranks) and write them; returns every value
@@ -282,11 +284,13 @@ class Trainer:
                 self.callback_metrics[name] = value
         self.progress_bar_metrics.update(for_bar)
         if for_logger:
-            self._write({**for_logger, "epoch": self.progress.epoch}, self.progress.batches_stepped)
+            self._write(for_logger, self.progress.batches_stepped)
         return {k: float(v) for k, v in for_callbacks.items()}
 
     def _write(self, values: dict[str, Any], step: int) -> None:
-        floats = {k: v if k == "epoch" else float(v) for k, v in values.items()}
+        """One row for the loggers: `values` as floats, and the epoch they were logged in."""
+        floats: dict[str, Any] = {k: float(v) for k, v in values.items()}
+        floats["epoch"] = self.progress.epoch
         self.logged_metrics.update(floats)
         if self.is_global_zero:
             for logger in self.loggers:
