@@ -397,6 +397,32 @@ def test_evaluation_step_values_are_written_per_batch_and_epoch_start_values_per
     assert all(not row.get("val_batch") for row in rows if row.get("train_loss") or row.get("epoch_start"))
     assert [(row["step"], row["epoch_start"]) for row in rows if row.get("epoch_start")] == [("3", "10.0"), ("6", "11.0")]
     assert "val_batch" not in trainer.callback_metrics  # evaluation step values are written, never monitored
+    # logged_metrics holds what was logged, last values; the epoch column is added for the loggers only
+    assert trainer.logged_metrics["epoch_start"] == 11.0 and "epoch" not in trainer.logged_metrics
+
+
+@pytest.mark.parametrize("hook, options", [("on_train_epoch_end", dict(on_step=True)),
+                                           ("on_train_epoch_start", dict(on_epoch=False))])
+def test_step_values_logged_in_a_once_per_epoch_hook_are_refused_with_the_options_to_use(datasets, tmp_path, hook, options):
+    def log(module):
+        module.log("value", 1.0, **options)
+
+    with pytest.raises(MisconfigurationError, match=r"self.log\('value', on_step=(True|False), on_epoch=(True|False)\) in a hook "
+                                                    r"that runs once per epoch.*use on_step=False, on_epoch=True"):
+        probe_fit(tmp_path, Probe({hook: log}), *datasets)
+
+
+def test_an_epoch_end_writes_one_row_with_the_epoch_values_and_what_on_train_epoch_end_logs(datasets, tmp_path):
+    def per_epoch(module, batch_idx, loss):
+        module.log("train_mean", float(batch_idx), on_step=False, on_epoch=True, batch_size=1)
+
+    def at_epoch_end(module):
+        module.log("end_value", float(module.current_epoch))
+
+    _, rows = probe_fit(tmp_path, Probe({"training_step": per_epoch, "on_train_epoch_end": at_epoch_end}), datasets[0])
+    epoch_rows = [(row["step"], row["epoch"], row["train_mean"], row["end_value"]) for row in rows
+                  if row.get("train_mean") or row.get("end_value")]
+    assert epoch_rows == [("3", "0", "1.0", "0.0"), ("6", "1", "1.0", "1.0")]  # batch_idx 0, 1, 2: mean 1
 
 
 def test_half_precision_values_average_in_float32_and_batch_sizes_skip_strings(tmp_path):

@@ -81,7 +81,7 @@ class MetricCollector:
         # when it is also aggregated per epoch, under `<name>_step`.
         self._step_for_callbacks: dict[str, torch.Tensor] = {}
         self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
-        self.in_step = True  # False inside epoch-end hooks, where defaults switch to on_epoch
+        self.in_step = True  # False in hooks that run once per epoch or stage: only per-epoch values there
         self.name_suffix = ""  # "/dataloader_idx_<i>" while one of several evaluation loaders runs
         self.stage = "train"
 
@@ -96,6 +96,11 @@ class MetricCollector:
         step_default = self.in_step and self.stage == "train"
         on_step = step_default if on_step is None else on_step
         on_epoch = (not step_default) if on_epoch is None else on_epoch
+        if not self.in_step and (on_step or not on_epoch):
+            raise MisconfigurationError(
+                f"self.log({name!r}, on_step={on_step}, on_epoch={on_epoch}) in a hook that runs once per epoch or "
+                "stage (on_*_start, on_*_epoch_start/end): what it logs is a per-epoch value; use on_step=False, "
+                "on_epoch=True (the defaults there).")
         entry = self._entries.get((self.stage, name))
         if entry is None:
             entry = self._add(self.stage, name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist),

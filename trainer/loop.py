@@ -140,7 +140,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         # Stopped mid-epoch (max_steps): a resume continues the epoch, so its checkpoint keeps the running values.
         running = None if progress.epoch_done else trainer.metrics.state_dict()
         trainer.metrics.in_step = False
-        trainer.publish_epoch_metrics()
+        trainer.publish_epoch_metrics(write=False)  # written with what on_train_epoch_end logs, in one row
         # Epoch schedulers step before the monitors' on_train_epoch_end, where checkpoints are written, so a
         # checkpoint taken at the epoch's end already holds the scheduler state of the next epoch; the others
         # before the epoch-end hooks, ReduceLROnPlateau after them, as in Lightning, so it sees what they log.
@@ -255,10 +255,11 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
     strategy, module = trainer.strategy, trainer.module
     several = _check_several_loaders(module, step_name, loaders)
     saved_stage = trainer.metrics.stage
-    trainer.metrics.stage, trainer.metrics.in_step = hook, True
+    trainer.metrics.stage, trainer.metrics.in_step = hook, False
     module.eval()
     trainer.call(f"on_{hook}_start")
     trainer.call(f"on_{hook}_epoch_start")
+    trainer.metrics.in_step = True
     grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
     with grad_mode:
         for dataloader_idx, loader in enumerate(loaders):

@@ -80,6 +80,7 @@ class Trainer:
         self._last_logged_step = -1
         self._step_row: dict[str, torch.Tensor] | None = None  # a step's values waiting for on_train_batch_end
         self._row_written_early = False
+        self._epoch_row: dict[str, torch.Tensor] | None = None  # an epoch's values waiting for on_train_epoch_end
         self._hook_targets: dict[str, tuple[list[Any], Any]] = {}  # hook -> (callback methods, module method)
         #: The resolved recipe (set by the `trainer` command); rank 0 saves it as config.yaml in the run folder.
         self.run_config: dict[str, Any] | None = None
@@ -270,9 +271,10 @@ class Trainer:
         if for_logger and not self.sanity_checking:
             self._write(for_logger, self.progress.batches_stepped)
 
-    def publish_epoch_metrics(self, log: bool = True) -> dict[str, float]:
+    def publish_epoch_metrics(self, log: bool = True, write: bool = True) -> dict[str, float]:
         """Aggregate the epoch's on_epoch values (synced across ranks) and write them; returns every value
-        aggregated, logger=False ones too."""
+        aggregated, logger=False ones too. With `write=False` their row waits for the next call, so that the
+        epoch's one row also holds what the epoch-end hooks log."""
         assert self.metrics is not None
         for_logger, for_bar, for_callbacks = self.metrics.epoch_values()
         if not log:
@@ -284,14 +286,20 @@ class Trainer:
                 self.callback_metrics[name] = value
         self.progress_bar_metrics.update(for_bar)
         if for_logger:
-            self._write(for_logger, self.progress.batches_stepped)
+            self._epoch_row = {**self._epoch_row, **for_logger} if self._epoch_row else for_logger
+        if write and self._epoch_row:
+            self._write_epoch_row()
         return {k: float(v) for k, v in for_callbacks.items()}
+
+    def _write_epoch_row(self) -> None:
+        row, self._epoch_row = self._epoch_row, None
+        self._write(row, self.progress.batches_stepped)
 
     def _write(self, values: dict[str, Any], step: int) -> None:
         """One row for the loggers: `values` as floats, and the epoch they were logged in."""
         floats: dict[str, Any] = {k: float(v) for k, v in values.items()}
-        floats["epoch"] = self.progress.epoch
-        self.logged_metrics.update(floats)
+        self.logged_metrics.update(floats)  # what was logged; the epoch column is the loggers' (as in Lightning)
+        floats.setdefault("epoch", self.progress.epoch)
         if self.is_global_zero:
             for logger in self.loggers:
                 logger.log_metrics(floats, step)
@@ -398,7 +406,8 @@ class Trainer:
         self.metrics = MetricCollector(strategy.reduce)
         # Each stage reports its own values, as in Lightning: a test after a fit does not show the fit's.
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
-        self._step_row, self._row_written_early = None, False  # a failed stage's unfinished row is not this one's
+        # A failed stage's unfinished rows are not this one's.
+        self._step_row, self._row_written_early, self._epoch_row = None, False, None
         try:
             checkpoint = load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
@@ -515,6 +524,8 @@ class Trainer:
         if self._step_row:  # saved in on_train_batch_end: the step's row so far belongs before the checkpoint
             self._write_step_row()
             self._row_written_early = True
+        if self._epoch_row:  # likewise for the epoch's row, saved in on_train_epoch_end
+            self._write_epoch_row()
         if self.is_global_zero:
             for logger in self.loggers:
                 logger.save()  # the file must hold every row the checkpoint counts
