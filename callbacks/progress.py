@@ -38,16 +38,9 @@ class _SpeedColumn(ProgressColumn):
 
 
 def metrics_text(trainer: Trainer) -> str:
-    """'step=120 loss=0.1234 ...' from the progress-bar metrics (tensors become floats only here).
-
-    Also called from rich's refresh thread while the loop runs: the dict is copied (one C call, atomic
-    under the GIL) before it is walked, so a key logged meanwhile cannot break the iteration.
-    """
-    parts = [f"step={trainer.global_step}"]
-    for name, value in dict(trainer.progress_bar_metrics).items():
-        number = float(value)
-        parts.append(f"{name}={number:.4g}")
-    return " ".join(parts)
+    """'step=120 loss=0.1234 ...' from the progress-bar metrics (tensors become floats only here, where the
+    bar is drawn, also from rich's refresh thread while the loop runs)."""
+    return " ".join([f"step={trainer.global_step}", *(f"{name}={value:.4g}" for name, value in trainer.progress_bar_metrics.items())])
 
 
 class _TrainerProgress(Progress):

@@ -425,6 +425,16 @@ def test_an_epoch_end_writes_one_row_with_the_epoch_values_and_what_on_train_epo
     assert epoch_rows == [("3", "0", "1.0", "0.0"), ("6", "1", "1.0", "1.0")]  # batch_idx 0, 1, 2: mean 1
 
 
+def test_progress_bar_metrics_are_floats_named_as_in_lightning(datasets, tmp_path):
+    def log(module, batch_idx, loss):
+        module.log("both", float(batch_idx), on_step=True, on_epoch=True, prog_bar=True, batch_size=1)
+        module.log("plain", 2.0, prog_bar=True)
+
+    trainer, _ = probe_fit(tmp_path, Probe({"training_step": log}), datasets[0], max_epochs=1)
+    assert trainer.progress_bar_metrics == {"both_step": 2.0, "plain": 2.0, "both_epoch": 1.0}
+    assert all(type(value) is float for value in trainer.progress_bar_metrics.values())
+
+
 def test_half_precision_values_average_in_float32_and_batch_sizes_skip_strings(tmp_path):
     class Half(TrainModule):
         def __init__(self):

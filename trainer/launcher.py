@@ -137,6 +137,7 @@ def final_state(trainer: Trainer) -> dict[str, Any]:
         "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "callback_metrics": {k: v.detach().cpu() for k, v in trainer.callback_metrics.items()},
         "logged_metrics": dict(trainer.logged_metrics),
+        "progress_bar_metrics": trainer.progress_bar_metrics,
         "loggers": [logger.state_dict() for logger in trainer.loggers],
         "version": trainer.version,  # a resume may have continued an earlier run's folder
         "data_wait": trainer.data_wait,
@@ -156,6 +157,7 @@ def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> Non
         if callback.state_key in state["callbacks"]:
             callback.load_state_dict(state["callbacks"][callback.state_key])
     trainer.callback_metrics, trainer.logged_metrics = state["callback_metrics"], state["logged_metrics"]
+    trainer._bar_values = {name: torch.tensor(value) for name, value in state["progress_bar_metrics"].items()}
     for logger, logger_state in zip(trainer.loggers, state["loggers"]):
         logger.load_state_dict(logger_state)
     trainer._version, trainer.data_wait = state["version"], state["data_wait"]

@@ -120,7 +120,7 @@ class MetricCollector:
             if entry.logger:
                 self._step_for_logger[entry.step_key] = step_value
             if entry.prog_bar:
-                self._step_for_bar[name] = step_value
+                self._step_for_bar[entry.step_key] = step_value
             if self.stage == "train":  # evaluation step values are written, never monitored
                 self._step_for_callbacks[name] = step_value
                 if entry.step_key != name:
@@ -178,7 +178,7 @@ class MetricCollector:
             if entry.logger:
                 for_logger[entry.epoch_key] = value
             if entry.prog_bar:
-                for_bar[name] = value
+                for_bar[entry.epoch_key] = value
             entry.total, entry.weight = None, 0.0
         return for_logger, for_bar, for_callbacks
 

@@ -68,7 +68,8 @@ class Trainer:
         self.metrics: MetricCollector | None = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        # What prog_bar=True logged, kept as tensors: a float per step would be a device sync per step.
+        self._bar_values: dict[str, torch.Tensor] = {}
         self.should_stop = False
         self.sanity_checking = False
         self.stage: str | None = None
@@ -166,6 +167,12 @@ class Trainer:
         return self.config.max_steps
 
     @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """What was logged with prog_bar=True, last values, as floats (`loss_step` and `loss_epoch` for a value
+        logged per step and per epoch, as in Lightning)."""
+        return {name: float(value) for name, value in dict(self._bar_values).items()}
+
+    @property
     def logger(self) -> Logger | None:
         return self.loggers[0] if self.loggers else None
 
@@ -241,7 +248,7 @@ class Trainer:
         assert self.metrics is not None
         for_logger, for_bar, for_callbacks = self.metrics.take_step_values()
         if for_bar:
-            self.progress_bar_metrics.update(for_bar)
+            self._bar_values.update(for_bar)
         if for_callbacks:
             self.callback_metrics.update(for_callbacks)
         if for_logger:
@@ -267,7 +274,7 @@ class Trainer:
         assert self.metrics is not None
         for_logger, for_bar, _ = self.metrics.take_step_values()
         if for_bar:
-            self.progress_bar_metrics.update(for_bar)
+            self._bar_values.update(for_bar)
         if for_logger and not self.sanity_checking:
             self._write(for_logger, self.progress.batches_stepped)
 
@@ -284,7 +291,7 @@ class Trainer:
             name = _EPOCH_SUFFIX.sub("", key, count=1)
             if name != key:
                 self.callback_metrics[name] = value
-        self.progress_bar_metrics.update(for_bar)
+        self._bar_values.update(for_bar)
         if for_logger:
             self._epoch_row = {**self._epoch_row, **for_logger} if self._epoch_row else for_logger
         if write and self._epoch_row:
@@ -405,7 +412,7 @@ class Trainer:
         module._trainer = self
         self.metrics = MetricCollector(strategy.reduce)
         # Each stage reports its own values, as in Lightning: a test after a fit does not show the fit's.
-        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+        self.callback_metrics, self.logged_metrics, self._bar_values = {}, {}, {}
         # A failed stage's unfinished rows are not this one's.
         self._step_row, self._row_written_early, self._epoch_row = None, False, None
         try:

@@ -63,7 +63,7 @@ class Net(TrainModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         prediction = self(x)
-        self.log("val_loss", F.mse_loss(prediction, y), sync_dist=True)
+        self.log("val_loss", F.mse_loss(prediction, y), sync_dist=True, prog_bar=True)
         self.val_mse.update(prediction, y)
         self.log("val_mse", self.val_mse)
         self.log("rank1_batches", float(self.global_rank), reduce_fx="sum", sync_dist=True)
@@ -166,6 +166,7 @@ def test_epoch_metrics_count_every_validation_sample_once(ddp_run):
     assert metrics["val_mse"].item() == pytest.approx(expected, rel=1e-5)  # a torchmetrics Metric
     assert metrics["rank1_batches"].item() == 3.0  # rank 1's 10 samples make 3 batches; summed over ranks
     assert metrics["max_rank"].item() == 1.0
+    assert trainer.progress_bar_metrics == {"val_loss": pytest.approx(expected, rel=1e-5)}  # handed back as floats
     share, wait = trainer.data_wait  # rank 0's measurement of its loader, handed back with the weights
     assert 0 <= share <= 1 and wait >= 0
 
