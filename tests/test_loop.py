@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
-from callbacks import ModelSummary
+from callbacks import Callback, ModelSummary
 from trainer import Trainer, TrainModule
 from trainer.data import (
     data_wait_advice,
@@ -255,6 +255,45 @@ def test_lr_scaling_with_warmup_matches_hand_written_loop():
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == 0.03 * 2.0  # exactly: no drift from warm-up
 
 
+@pytest.mark.parametrize("schedule", ["one_cycle", "cyclic", "cosine_then_step"])
+def test_lr_scaling_scales_every_rate_a_schedule_is_built_from(schedule):
+    """OneCycleLR reads its groups' max_lr/min_lr, CyclicLR its max_lrs, cosine annealing its eta_min: the
+    scaled schedule equals the same schedule built with doubled rates (accumulate 2: a scale of 2)."""
+
+    def build(optimizer, scale):
+        if schedule == "one_cycle":
+            return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1 * scale, total_steps=6)
+        if schedule == "cyclic":
+            return torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=0.01 * scale, max_lr=0.1 * scale, step_size_up=2)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3, eta_min=0.01 * scale)
+        step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [cosine, step], milestones=[3])
+
+    class Scheduled(Regressor):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": build(optimizer, 1.0), "interval": "step"}}
+
+    class Rates(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.seen.append(optimizer.param_groups[0]["lr"])
+
+    rates = Rates()
+    torch.manual_seed(123)
+    Trainer(seed=SEED, max_epochs=3, accumulate_grad_batches=2, lr_scaling="linear", callbacks=[rates],
+            **QUIET).fit(Scheduled(), DataLoader(regression_data(samples=32), batch_size=8))
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    scheduler, expected = build(optimizer, 2.0), []
+    for _ in range(6):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates.seen == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize(("batch_size", "drop_last", "start", "end", "expected"),
                          [(4, False, 0, 3, 10), (4, False, 1, 3, 6), (4, False, 2, 3, 2), (4, True, 0, 2, 8), (3, False, 0, 2, 6)])
 def test_samples_in_batches_counts_the_short_last_batch(batch_size, drop_last, start, end, expected):
@@ -262,6 +301,22 @@ def test_samples_in_batches_counts_the_short_last_batch(batch_size, drop_last, s
                             train=True)
     assert samples_in_batches(loader, start, end) == expected
     assert expected == sum(len(batch[0]) for batch in itertools.islice(loader, start, end))
+
+
+def test_a_custom_training_sampler_is_dealt_into_equal_shards_and_evaluation_into_exact_ones():
+    """A rank with one batch more would run a gradient all-reduce the others never join: training shards of a
+    user's own sampler (or batch sampler) are padded with its first indices, as DistributedSampler pads."""
+    data, order = regression_data(samples=65), list(range(64, -1, -1))  # any sampler that is not torch's own two
+    shards = [[index for batch in prepare_loader(DataLoader(data, batch_size=8, sampler=order), train=True,
+                                                 num_replicas=2, rank=rank).batch_sampler for index in batch]
+              for rank in (0, 1)]
+    assert shards[0] == order[0::2] and shards[1] == order[1::2] + [order[0]]
+    batches = [list(prepare_loader(DataLoader(data, batch_sampler=[[0], [1, 2], [3]]), train=True, num_replicas=2,
+                                   rank=rank).batch_sampler) for rank in (0, 1)]
+    assert batches == [[[0], [3]], [[1, 2], [0]]]
+    evaluated = [len(prepare_loader(DataLoader(data, batch_size=8, sampler=order), train=False, num_replicas=2,
+                                    rank=rank).batch_sampler.sampler) for rank in (0, 1)]
+    assert evaluated == [33, 32]  # every sample once
 
 
 def test_samples_in_batches_is_unknown_for_a_custom_batch_sampler():

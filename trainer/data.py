@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import signal
 import time
 import warnings
@@ -64,22 +65,31 @@ class DataModule(HyperparametersMixin):
 
 
 class ShardedSampler(Sampler[int]):
-    """Rank `rank`'s share of any sampler's indices: every rank sees a disjoint slice, nothing padded.
+    """Rank `rank`'s share of any sampler's indices (or a batch sampler's batches): every world_size-th one.
 
-    Used for a user's own training sampler under data parallelism and for every evaluation loader,
-    where each sample must count exactly once (ranks may then see one batch more or fewer).
+    Evaluation loaders take it unpadded, so that each sample counts exactly once (ranks may then see one
+    batch more or fewer). A user's own training sampler takes it `padded`, as DistributedSampler pads: the
+    shards are made equal by repeating the first indices, since a rank with one batch more would run a
+    gradient all-reduce that the others never join.
     """
 
-    def __init__(self, sampler: Sampler[int] | range, num_replicas: int, rank: int) -> None:
-        self.sampler, self.num_replicas, self.rank = sampler, num_replicas, rank
+    def __init__(self, sampler: Sampler[Any] | range, num_replicas: int, rank: int, padded: bool = False) -> None:
+        self.sampler, self.num_replicas, self.rank, self.padded = sampler, num_replicas, rank, padded
 
-    def __iter__(self) -> Iterator[int]:
-        for position, index in enumerate(self.sampler):
-            if position % self.num_replicas == self.rank:
-                yield index
+    def __iter__(self) -> Iterator[Any]:
+        if self.padded:
+            indices = list(self.sampler)
+            missing = len(self) * self.num_replicas - len(indices)
+            while missing > 0 and indices:
+                indices += indices[:missing]
+                missing = len(self) * self.num_replicas - len(indices)
+            return itertools.islice(indices, self.rank, None, self.num_replicas)
+        return itertools.islice(self.sampler, self.rank, None, self.num_replicas)
 
     def __len__(self) -> int:
         total = len(self.sampler)  # type: ignore[arg-type]
+        if self.padded:
+            return math.ceil(total / self.num_replicas)
         return total // self.num_replicas + int(self.rank < total % self.num_replicas)
 
     def set_epoch(self, epoch: int) -> None:
@@ -205,7 +215,8 @@ def prepare_loader(
         return loader
     if loader.batch_size is None:
         # A custom batch_sampler: shard its batches instead of its indices.
-        batch_sampler = ShardedSampler(loader.batch_sampler, num_replicas, rank) if num_replicas > 1 else loader.batch_sampler
+        batch_sampler = (ShardedSampler(loader.batch_sampler, num_replicas, rank, padded=train) if num_replicas > 1
+                         else loader.batch_sampler)
         return DataLoader(loader.dataset, batch_sampler=batch_sampler, **_loader_kwargs(loader, pin_memory))
     user_sampler = loader.sampler
     if train and isinstance(user_sampler, (RandomSampler, SequentialSampler)):
@@ -214,7 +225,7 @@ def prepare_loader(
             shuffle=isinstance(user_sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
         )
     elif num_replicas > 1:
-        sampler = ShardedSampler(user_sampler, num_replicas, rank)
+        sampler = ShardedSampler(user_sampler, num_replicas, rank, padded=train)
     else:
         sampler = user_sampler
     batch_sampler_cls = ResumableBatchSampler if train else BatchSampler

@@ -164,7 +164,7 @@ class MetricCollector:
         """Aggregate the current stage's on_epoch values (Metrics computed over the epoch, synced), then reset them:
         (values for loggers, for the progress bar, for callbacks: logger=False ones too)."""
         for_logger, for_bar, for_callbacks = {}, {}, {}
-        for (stage, name), entry in self._entries.items():
+        for (stage, _), entry in self._entries.items():
             if stage != self.stage or not entry.on_epoch or not entry.updated:
                 continue
             entry.updated = False

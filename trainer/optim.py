@@ -132,14 +132,22 @@ class LRScaler:
 def _multiply_rates(optimizers: list[Optimizer], schedulers: list[SchedulerConfig], ratio: float) -> None:
     if ratio == 1.0:
         return
+    # Every rate a schedule is built from: OneCycleLR reads its groups' max_lr and min_lr, CyclicLR its max_lrs,
+    # cosine annealing its eta_min; scaling only `lr` would leave them at one process's values.
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"] *= ratio
-            if "initial_lr" in group:
-                group["initial_lr"] *= ratio
-    for config in schedulers:
-        if hasattr(config.scheduler, "base_lrs"):
-            config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
+            for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+                if isinstance(group.get(key), (int, float)):
+                    group[key] *= ratio
+    pending = [config.scheduler for config in schedulers]
+    while pending:
+        scheduler = pending.pop()
+        pending.extend(getattr(scheduler, "_schedulers", []))  # SequentialLR and ChainedScheduler
+        for name in ("base_lrs", "max_lrs"):
+            if isinstance(getattr(scheduler, name, None), list):
+                setattr(scheduler, name, [lr * ratio for lr in getattr(scheduler, name)])
+        if isinstance(getattr(scheduler, "eta_min", None), (int, float)):
+            scheduler.eta_min *= ratio
 
 
 def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor]) -> None:

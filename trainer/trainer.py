@@ -402,6 +402,7 @@ class Trainer:
         final state for the launching script on this node to adopt."""
         strategy = self.strategy
         strategy.setup_environment(environment or strategy.detect_environment())
+        strategy.keeps_process_group = strategy.environment.launched and not hand_back
         if strategy.serve():  # a rank whose role is not the loop (a parameter server) served until the job ended
             strategy.teardown()
             return {"result": None}

@@ -88,9 +88,13 @@ def main(mode: str, out: Path, devices: int, num_nodes: int) -> None:
     if trainer.world_size == 1:  # the Trainer started the workers itself: this is the calling process
         torch.save(module.state_dict(), out / "caller.pt")
         return
-    # Launched by torchrun or srun: a second stage builds a second process group in the same processes.
+    # Launched by torchrun or srun: the process group outlives fit, for the script's own collectives and a
+    # second stage in the same processes.
+    ranks = torch.tensor([float(trainer.global_rank)])
+    torch.distributed.all_reduce(ranks)
     result = trainer.validate(module, DataLoader(data(), batch_size=BATCH))
-    torch.save({"state_dict": module.state_dict(), "val_loss": result[0]["val_loss"]}, out / f"rank{trainer.global_rank}.pt")
+    torch.save({"state_dict": module.state_dict(), "val_loss": result[0]["val_loss"], "rank_sum": ranks.item()},
+               out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ def test_two_torchrun_agents_as_two_nodes_train_one_model(tmp_path):
     ranks = [load_rank(tmp_path, rank) for rank in (0, 1)]
     assert_trained_like_the_reference(ranks[0]["state_dict"])
     assert_trained_like_the_reference(ranks[1]["state_dict"])
-    # validate() ran in a second process group of the same processes; every sample counted once.
+    # validate() ran in the same processes; every sample counted once.
     assert ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[0]["state_dict"]), rel=1e-5)
+    assert ranks[0]["rank_sum"] == ranks[1]["rank_sum"] == 1.0  # the script's own all_reduce after fit
 
 
 @pytest.mark.timeout(180)
@@ -86,6 +87,7 @@ def test_srun_variables_launch_two_ranks_that_build_their_own_rendezvous(tmp_pat
     ranks = [load_rank(tmp_path, rank) for rank in (0, 1)]
     assert_trained_like_the_reference(ranks[0]["state_dict"])
     assert ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[1]["state_dict"]), rel=1e-5)
+    assert ranks[0]["rank_sum"] == ranks[1]["rank_sum"] == 1.0  # the script's own all_reduce after fit
 
 
 @pytest.mark.timeout(180)

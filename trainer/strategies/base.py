@@ -81,6 +81,9 @@ class Strategy:
         self.environment = ClusterEnvironment(name="local")
         self.timeout = 1800.0  # seconds a collective may wait (the Trainer sets its `timeout` option here)
         self.root_device = torch.device("cpu")
+        # Set by the Trainer where a launcher (torchrun, srun, mpirun) started this process and the script that
+        # called fit goes on in it: the group stays up for the script's own collectives, as in Lightning, until exit.
+        self.keeps_process_group = False
         self.module: TrainModule | None = None  # the user's module, unwrapped
         self.model: nn.Module | None = None  # what the steps run through (a wrapper or the module)
 

@@ -134,7 +134,7 @@ class DDPStrategy(Strategy):
         if wrapper is not None and wrapper() is not None:
             gc.collect()
         if self._owns_group:
-            distributed.destroy_process_group()
+            distributed.leave_process_group(keep=self.keeps_process_group)
         super().teardown()
 
     # ------------------------------------------------------------------ the model

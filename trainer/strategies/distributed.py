@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import socket
 from typing import Any
@@ -93,6 +94,15 @@ def destroy_process_group() -> None:
     """Leave the job; safe to call twice."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_process_group(keep: bool) -> None:
+    """Leave the job now, or (`keep`) at interpreter exit, leaving the group to the script until then."""
+    if keep:
+        atexit.unregister(destroy_process_group)  # registered once, however many stages kept it
+        atexit.register(destroy_process_group)
+    else:
+        destroy_process_group()
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any = None) -> torch.Tensor:

@@ -186,11 +186,13 @@ class PipelineStrategy(Strategy):
         self._local = []
         self._pp_group = self._dp_group = None
         gc.collect()
-        if self._owns_group:
-            distributed.destroy_process_group()
+        if self._owns_group and not self.keeps_process_group:
+            distributed.destroy_process_group()  # the mesh's groups go with it
         else:
             for group in groups:
                 dist.destroy_process_group(group)
+            if self._owns_group:
+                distributed.leave_process_group(keep=True)
         super().teardown()
 
     @property
