@@ -326,6 +326,19 @@ def _timed_head(batches: Iterator[Any], window: int, report: Callable[[float, fl
         report(waited / (time.perf_counter() - started), waited / measured)
 
 
+def unsharded_batches(loader: DataLoader) -> int | None:
+    """How many batches `loader` had before `prepare_loader` gave this rank its slice of it; None where the
+    loader was not sliced (every rank runs it whole)."""
+    batch_sampler = loader.batch_sampler
+    if isinstance(batch_sampler, ShardedSampler):  # a custom batch_sampler: whole batches were dealt out
+        return len(batch_sampler.sampler)  # type: ignore[arg-type]
+    sampler = getattr(batch_sampler, "sampler", None)
+    if not isinstance(sampler, ShardedSampler):
+        return None
+    samples = len(sampler.sampler)  # type: ignore[arg-type]
+    return samples // batch_sampler.batch_size if batch_sampler.drop_last else math.ceil(samples / batch_sampler.batch_size)
+
+
 def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list[Any]:
     """One loader's predictions from every data-parallel rank (`shares[r]`: rank r's batch outputs, from its
     slice of `loader`) as one process would have made them: in the loader's order, in its batch size.

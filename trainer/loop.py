@@ -16,7 +16,14 @@ import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
-from trainer.data import data_wait_advice, measure_data_wait, merge_prediction_shares, set_epoch, skip_batches
+from trainer.data import (
+    data_wait_advice,
+    measure_data_wait,
+    merge_prediction_shares,
+    set_epoch,
+    skip_batches,
+    unsharded_batches,
+)
 from trainer.errors import MisconfigurationError
 from trainer.faults import StepGuard
 from trainer.optim import step_scheduler
@@ -57,12 +64,14 @@ class Progress:
         self.epoch, self.epoch_batches, self.epoch_done, self.validated_batches = self.epoch + 1, 0, False, 0
 
 
-def batch_limit(loader: DataLoader, limit: int | float) -> int | float:
-    """How many batches of `loader` a stage runs: a count, or a fraction of its length (math.inf: until exhausted)."""
-    try:
-        length = len(loader)
-    except TypeError:  # an IterableDataset without __len__
-        length = math.inf
+def batch_limit(loader: DataLoader, limit: int | float, length: int | float | None = None) -> int | float:
+    """How many batches of `loader` (or of `length` batches) a stage runs: a count, or a fraction of its
+    length (math.inf: until exhausted)."""
+    if length is None:
+        try:
+            length = len(loader)
+        except TypeError:  # an IterableDataset without __len__
+            length = math.inf
     if isinstance(limit, int) and not isinstance(limit, bool):
         return int(min(limit, length))
     if length != math.inf:
@@ -318,11 +327,19 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
     trainer.call("on_predict_start")
     trainer.call("on_predict_epoch_start")
     results: list[list[Any]] = []
+    replicas = strategy.data_parallel_size
+    # Under data parallelism the limit counts the loader's batches as one process would, so that the merged
+    # predictions are one process's: each rank runs its share of them, and the merge keeps the first `kept`.
+    kept: list[int | float | None] = []
+    for loader in loaders:
+        whole = unsharded_batches(loader) if replicas > 1 else None
+        kept.append(None if whole is None else batch_limit(loader, limit, whole))
     grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
     with grad_mode:
         for dataloader_idx, loader in enumerate(loaders):
             outputs: list[Any] = []
-            num_batches = batch_limit(loader, limit)
+            keep = kept[dataloader_idx]
+            num_batches = batch_limit(loader, limit) if keep is None else math.ceil(keep / replicas)
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= num_batches:
                     break
@@ -334,8 +351,9 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
             results.append(outputs)
     trainer.call("on_predict_epoch_end")
     trainer.call("on_predict_end")
-    if strategy.data_parallel_size == 1:
+    if replicas == 1:
         return results
     # Tensors travel as pickles: on the CPU, so that a rank unpickles none onto another rank's GPU.
     shares = strategy.gather_data_parallel(move_to_device(results, torch.device("cpu")))
-    return [merge_prediction_shares([share[index] for share in shares], loader) for index, loader in enumerate(loaders)]
+    merged = [merge_prediction_shares([share[index] for share in shares], loader) for index, loader in enumerate(loaders)]
+    return [batches if keep is None else batches[:keep] for batches, keep in zip(merged, kept)]

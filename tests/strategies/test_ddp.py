@@ -249,15 +249,17 @@ class PredictingNet(Net):
 
 
 @pytest.mark.timeout(240)
-def test_predict_returns_every_ranks_predictions_in_dataset_order(tmp_path):
+@pytest.mark.parametrize(("limit", "sizes"), [(1.0, [4, 4, 4, 4, 4, 1]), (3, [4, 4, 4])])
+def test_predict_returns_every_ranks_predictions_in_dataset_order(tmp_path, limit, sizes):
     """21 samples in batches of 4 over 2 ranks (11 and 10 samples each): the caller gets what one process
-    would have returned, 5 batches of 4 and one of 1, in order."""
+    would have returned, 5 batches of 4 and one of 1, in order; limit_predict_batches counts those batches."""
     module = PredictingNet()
     module.load_state_dict(initial_state())
-    trainer = Trainer(strategy="ddp", devices=2, default_root_dir=str(tmp_path), logger=False, **QUIET)
+    trainer = Trainer(strategy="ddp", devices=2, default_root_dir=str(tmp_path), logger=False,
+                      limit_predict_batches=limit, **QUIET)
     predictions = trainer.predict(module, DataLoader(VAL, batch_size=BATCH))
     x = VAL.tensors[0]
-    assert [len(batch["x"]) for batch in predictions] == [4, 4, 4, 4, 4, 1]
+    assert [len(batch["x"]) for batch in predictions] == sizes
     with torch.no_grad():
         for start, batch in zip(range(0, len(x), BATCH), predictions):
             assert torch.equal(batch["x"], x[start:start + BATCH])
