@@ -32,6 +32,7 @@ import ast
 import contextlib
 import dataclasses
 import inspect
+import io
 import logging
 import multiprocessing
 import os
@@ -134,7 +135,7 @@ def final_state(trainer: Trainer) -> dict[str, Any]:
     return {
         "state_dict": {k: v.detach().cpu() for k, v in trainer.strategy.model_state_dict().items()},
         "progress": trainer.progress.state_dict(),
-        "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
+        "callbacks": {c.state_key: _callback_attributes(c, trainer) for c in trainer.callbacks},
         "callback_metrics": {k: v.detach().cpu() for k, v in trainer.callback_metrics.items()},
         "logged_metrics": dict(trainer.logged_metrics),
         "progress_bar_metrics": trainer.progress_bar_metrics,
@@ -142,6 +143,53 @@ def final_state(trainer: Trainer) -> dict[str, Any]:
         "version": trainer.version,  # a resume may have continued an earlier run's folder
         "data_wait": trainer.data_wait,
     }
+
+
+class _WorkerObjects(pickle.Pickler):
+    """Pickles with the run's trainer, module, submodules and parameters as references by name, which the
+    launching script's own objects replace (`_CallerObjects`)."""
+
+    def __init__(self, file: io.BytesIO, trainer: Trainer) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        module = trainer.module
+        self.names: dict[int, tuple[str, str]] = {id(trainer): ("trainer", "")}
+        if module is not None:
+            self.names.update((id(part), ("module", name)) for name, part in module.named_modules())
+            self.names.update((id(parameter), ("parameter", name)) for name, parameter in module.named_parameters())
+
+    def persistent_id(self, obj: Any) -> tuple[str, str] | None:
+        return self.names.get(id(obj))
+
+
+class _CallerObjects(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, trainer: Trainer, module: TrainModule) -> None:
+        super().__init__(file)
+        self.trainer, self.module = trainer, module
+
+    def persistent_load(self, pid: tuple[str, str]) -> Any:
+        kind, name = pid
+        if kind == "trainer":
+            return self.trainer
+        return self.module.get_submodule(name) if kind == "module" else self.module.get_parameter(name)
+
+
+def _callback_attributes(callback: Any, trainer: Trainer) -> bytes:
+    """The callback's attributes as rank 0 left them, for the launching script's copy of the callback (a
+    user's callback that collects values has them after a self-launched fit too). What does not pickle (a
+    console, a lock, a file) is left out: the caller's copy keeps its own."""
+    def dumps(value: Any) -> bytes:
+        buffer = io.BytesIO()
+        _WorkerObjects(buffer, trainer).dump(value)
+        return buffer.getvalue()
+
+    portable = {}
+    for name, value in vars(callback).items():
+        try:
+            dumps(value)
+        except Exception:  # noqa: BLE001 - whatever pickle raises for an object it cannot carry
+            continue
+        portable[name] = value
+    return dumps(portable)  # together, so that attributes sharing an object still share it
 
 
 def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> None:
@@ -155,7 +203,8 @@ def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> Non
     trainer.progress = Progress(**state["progress"])
     for callback in trainer.callbacks:
         if callback.state_key in state["callbacks"]:
-            callback.load_state_dict(state["callbacks"][callback.state_key])
+            attributes = _CallerObjects(io.BytesIO(state["callbacks"][callback.state_key]), trainer, module).load()
+            vars(callback).update(attributes)
     trainer.callback_metrics, trainer.logged_metrics = state["callback_metrics"], state["logged_metrics"]
     trainer._bar_values = {name: torch.tensor(value) for name, value in state["progress_bar_metrics"].items()}
     for logger, logger_state in zip(trainer.loggers, state["loggers"]):

@@ -78,8 +78,23 @@ def initial_state() -> dict[str, torch.Tensor]:
     return Net().state_dict()
 
 
-def ddp_trainer(root: Path, **options) -> Trainer:
-    callbacks = [ModelCheckpoint(save_top_k=-1, filename="{epoch}", save_last=True)]
+class Collect(Callback):
+    """What a user's callback gathers during a run, and references it keeps to the run's objects."""
+
+    def __init__(self) -> None:
+        self.val_losses: list[float] = []
+        self.held: dict = {}
+
+    def setup(self, trainer, module, stage):
+        self.held = {"trainer": trainer, "module": module, "layer": module.net[0], "bias": module.net[0].bias}
+
+    def on_validation_end(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def ddp_trainer(root: Path, *extra: Callback, **options) -> Trainer:
+    callbacks = [ModelCheckpoint(save_top_k=-1, filename="{epoch}", save_last=True), *extra]
     return Trainer(strategy="ddp", devices=2, max_epochs=EPOCHS, seed=SEED, lr_scaling="linear",
                    default_root_dir=str(root), callbacks=callbacks, **{**QUIET, **options})
 
@@ -107,7 +122,7 @@ def ddp_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp_run")
     module = Net()
     module.load_state_dict(initial_state())
-    trainer = ddp_trainer(root)
+    trainer = ddp_trainer(root, Collect())
     trainer.fit(module, *loaders())
     return module, trainer, root
 
@@ -169,6 +184,19 @@ def test_epoch_metrics_count_every_validation_sample_once(ddp_run):
     assert trainer.progress_bar_metrics == {"val_loss": pytest.approx(expected, rel=1e-5)}  # handed back as floats
     share, wait = trainer.data_wait  # rank 0's measurement of its loader, handed back with the weights
     assert 0 <= share <= 1 and wait >= 0
+
+
+@pytest.mark.timeout(240)
+def test_the_callers_callbacks_hold_what_rank_0s_gathered_and_refer_to_the_callers_objects(ddp_run):
+    module, trainer, _ = ddp_run
+    [collect] = [c for c in trainer.callbacks if isinstance(c, Collect)]
+    assert len(collect.val_losses) == EPOCHS and collect.val_losses[-1] == float(trainer.callback_metrics["val_loss"])
+    held = collect.held  # the worker's trainer, module and parameters stand for the caller's own
+    assert held["trainer"] is trainer and held["module"] is module
+    assert held["layer"] is module.net[0] and held["bias"] is module.net[0].bias
+    checkpoint = trainer.checkpoint_callback  # no monitor: the newest is the best, as on rank 0
+    assert Path(checkpoint.best_model_path).name == f"epoch={EPOCHS - 1}.ckpt"
+    assert Path(checkpoint.last_model_path).name == "last.ckpt"
 
 
 @pytest.mark.timeout(240)
