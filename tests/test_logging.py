@@ -435,6 +435,22 @@ def test_progress_bar_metrics_are_floats_named_as_in_lightning(datasets, tmp_pat
     assert all(type(value) is float for value in trainer.progress_bar_metrics.values())
 
 
+def test_sync_dist_reduces_training_step_values_but_leaves_evaluation_step_values_to_their_rank():
+    """Evaluation ranks may run one batch more or fewer than each other: a per-batch reduction there could
+    wait forever for a rank that has finished, so it is taken per epoch only."""
+    from trainer.logging import MetricCollector
+
+    reduced = []
+    metrics = MetricCollector(lambda tensor, op: reduced.append(op) or tensor * 2)
+    metrics.log("train_value", torch.tensor(1.0), sync_dist=True)
+    metrics.stage = "validation"
+    metrics.log("val_value", torch.tensor(1.0), on_step=True, on_epoch=True, sync_dist=True, batch_size=1)
+    for_logger, _, _ = metrics.take_step_values()
+    assert for_logger == {"train_value": torch.tensor(2.0), "val_value_step": torch.tensor(1.0)} and reduced == ["mean"]
+    assert metrics.epoch_values()[0] == {"val_value_epoch": torch.tensor(1.0)}
+    assert reduced == ["mean", "sum"]  # the epoch value is reduced: (total, weight) summed over the ranks
+
+
 def test_half_precision_values_average_in_float32_and_batch_sizes_skip_strings(tmp_path):
     class Half(TrainModule):
         def __init__(self):

@@ -339,6 +339,21 @@ def unsharded_batches(loader: DataLoader) -> int | None:
     return samples // batch_sampler.batch_size if batch_sampler.drop_last else math.ceil(samples / batch_sampler.batch_size)
 
 
+def shard_batches(loader: DataLoader) -> list[int] | None:
+    """Each data-parallel rank's batch count of the loader that `prepare_loader` sliced into this rank's
+    `loader` (every rank can work them all out alone); None where it did not slice it."""
+    batch_sampler = loader.batch_sampler
+    if isinstance(batch_sampler, ShardedSampler):
+        whole, replicas = batch_sampler.sampler, batch_sampler.num_replicas
+        return [len(ShardedSampler(whole, replicas, rank)) for rank in range(replicas)]
+    sampler = getattr(batch_sampler, "sampler", None)
+    if not isinstance(sampler, ShardedSampler):
+        return None
+    samples = [len(ShardedSampler(sampler.sampler, sampler.num_replicas, rank)) for rank in range(sampler.num_replicas)]
+    size = batch_sampler.batch_size
+    return [count // size if batch_sampler.drop_last else math.ceil(count / size) for count in samples]
+
+
 def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list[Any]:
     """One loader's predictions from every data-parallel rank (`shares[r]`: rank r's batch outputs, from its
     slice of `loader`) as one process would have made them: in the loader's order, in its batch size.

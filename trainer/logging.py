@@ -116,7 +116,9 @@ class MetricCollector:
         else:
             tensor = _to_tensor(name, value)
         if on_step:
-            step_value = self._reduce(tensor, reduce_fx) if sync_dist else tensor
+            # Evaluation ranks may run one batch more or fewer than each other (every sample counts once), so an
+            # evaluation step's per-batch value is this rank's own: a reduction there could wait forever.
+            step_value = self._reduce(tensor, reduce_fx) if sync_dist and self.stage == "train" else tensor
             if entry.logger:
                 self._step_for_logger[entry.step_key] = step_value
             if entry.prog_bar:

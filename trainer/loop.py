@@ -21,6 +21,7 @@ from trainer.data import (
     measure_data_wait,
     merge_prediction_shares,
     set_epoch,
+    shard_batches,
     skip_batches,
     unsharded_batches,
 )
@@ -270,6 +271,8 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
     trainer.call(f"on_{hook}_epoch_start")
     trainer.metrics.in_step = True
     grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
+    for dataloader_idx, loader in enumerate(loaders):
+        _check_every_rank_evaluates(loader, limit, hook, dataloader_idx if several else None)
     with grad_mode:
         for dataloader_idx, loader in enumerate(loaders):
             num_batches = batch_limit(loader, limit)
@@ -297,6 +300,24 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
 
 
 _LOADER_SUFFIX = re.compile(r"/dataloader_idx_\d+$")
+
+
+def _check_every_rank_evaluates(loader: DataLoader, limit: int | float, hook: str, index: int | None) -> None:
+    """A clear error, on every rank alike, where some data-parallel rank's slice of `loader` holds no batch:
+    that rank would never join the others' end-of-epoch reduction of what they logged, and they would wait
+    for it until the collective timeout."""
+    counts = shard_batches(loader)
+    if counts is None:
+        return
+    limited = [batch_limit(loader, limit, count) for count in counts]
+    if max(limited) > 0 and min(limited) == 0:
+        idle = [rank for rank, count in enumerate(limited) if count == 0]
+        which = f"{hook} dataloader" + (f" {index}" if index is not None else "")
+        raise MisconfigurationError(
+            f"the {which} gives {len(counts)} data-parallel processes {sum(counts)} batch(es) in all, so rank(s) "
+            f"{', '.join(map(str, idle))} would get none and the others would wait for them at the epoch's end; "
+            f"give it at least {len(counts)} samples (or batches), or use fewer devices."
+        )
 
 
 def _check_several_loaders(module: Any, step_name: str, loaders: list[DataLoader]) -> bool:
