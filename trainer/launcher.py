@@ -39,9 +39,11 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
+import types
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -268,10 +270,61 @@ def _in_spawn_bootstrap() -> bool:
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
+def _names_bound_only_under_the_guard() -> tuple[str, set[str]]:
+    """(the script's path, the classes and functions it defines only inside `if __name__ == "__main__":`)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        tree = ast.parse(Path(path).read_text()) if path else None
+    except (OSError, SyntaxError, ValueError):
+        tree = None
+    if tree is None:
+        return "", set()
+    guarded = [node for node in tree.body if isinstance(node, ast.If) and _tests_dunder_name(node.test)]
+    return str(path), _defined_names(guarded) - _defined_names([n for n in tree.body if n not in guarded])
+
+
+def _defined_names(statements: list[ast.stmt]) -> set[str]:
+    """Classes and functions defined by `statements`, inside their if/for/with/try blocks too."""
+    names: set[str] = set()
+    for node in statements:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+            continue
+        for block in ("body", "orelse", "finalbody", "handlers"):
+            names |= _defined_names(getattr(node, block, []))
+    return names
+
+
+class _GuardedDefinitionCheck(pickle.Pickler):
+    """Pickles as usual, refusing a class or function of the script that only its main guard defines: the
+    workers import the script without running that block, so it would fail there with torch's traceback."""
+
+    def __init__(self, file: io.BytesIO, path: str, guarded: set[str]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.path, self.guarded = path, guarded
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            name = obj.__qualname__.split(".")[0]
+            if name in self.guarded:
+                raise MisconfigurationError(
+                    f"{name} is defined inside `if __name__ == \"__main__\":` of {self.path}, but the worker "
+                    "processes import the script without running that block; define it above the guard."
+                )
+        return NotImplemented
+
+
 def _pickle_job(trainer: Trainer, stage: str, run_args: tuple[Any, ...]) -> bytes:
     """The job as bytes for the workers; a clear error naming the part that cannot be pickled."""
     try:
-        return pickle.dumps((trainer, stage, run_args), protocol=pickle.HIGHEST_PROTOCOL)
+        path, guarded = _names_bound_only_under_the_guard()
+        if not guarded:
+            return pickle.dumps((trainer, stage, run_args), protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _GuardedDefinitionCheck(buffer, path, guarded).dump((trainer, stage, run_args))
+        return buffer.getvalue()
+    except MisconfigurationError:
+        raise
     except Exception as err:  # noqa: BLE001 - pickling raises many types (TypeError, PicklingError, AttributeError)
         module, datamodule, _ckpt, *loaders = run_args
         parts = {"module": module, "datamodule": datamodule, **{f"dataloader {i}": v for i, v in enumerate(loaders)},

@@ -146,3 +146,31 @@ def test_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_p
     assert last.startswith("trainer.errors.MisconfigurationError: ") and "unguarded.py:8 starts a 2-process job" in last
     assert 'if __name__ == "__main__":' in last
     assert "run_worker" not in output  # no worker ever ran
+
+
+GUARDED_CLASS = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from trainer import Trainer
+from ddp_script import Line
+
+if __name__ == "__main__":
+    class Local(Line):
+        pass
+
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False).fit(Local(), DataLoader(data, batch_size=4))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_module_class_defined_under_the_main_guard_is_refused_before_any_worker_starts(tmp_path):
+    script = tmp_path / "guarded_class.py"
+    script.write_text(GUARDED_CLASS)
+    [(code, output, _)] = launch([([sys.executable, str(script)], {})], tmp_path)
+    assert code != 0
+    last = output.strip().splitlines()[-1]
+    assert last == (f'trainer.errors.MisconfigurationError: Local is defined inside `if __name__ == "__main__":` of '
+                    f"{script}, but the worker processes import the script without running that block; define it "
+                    "above the guard.")
+    assert "run_worker" not in output  # no worker ever ran
