@@ -167,6 +167,20 @@ def test_resume_at_a_validation_point_validates_once_and_logs_each_row_once(tmp_
     assert resumed_rows == full_rows
 
 
+def test_a_fit_stopped_by_max_steps_at_a_validation_point_resumes_without_validating_it_again(tmp_path):
+    fit(tmp_path / "full", val_check_interval=2, max_steps=9)
+    stopped = fit(tmp_path / "split", val_check_interval=2, max_steps=7)  # step 7: batch 2 of epoch 1, validated
+    ckpt = tmp_path / "stopped.ckpt"
+    stopped.trainer.save_checkpoint(ckpt)
+    validations = ValidationSteps()
+    fit(tmp_path / "split", [validations], ckpt_path=ckpt, val_check_interval=2, max_steps=9)
+    assert validations.steps == [9]
+    # (The stopped fit also wrote its partial epoch's values at step 7, as a stop by max_steps does.)
+    rows = {run: [row for row in metrics_rows(tmp_path / run / "default/version_0/metrics.csv") if "val_loss" in row]
+            for run in ("full", "split")}
+    assert [row["step"] for row in rows["split"]] == [2, 4, 5, 7, 9] and rows["split"] == rows["full"]
+
+
 class BatchCount(Callback):
     def __init__(self) -> None:
         self.batches = 0

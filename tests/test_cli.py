@@ -90,6 +90,7 @@ BAD_INPUTS = [
     (["good.yaml", "model.init_args.lr=${oc.env:TRAINER_TEST_SURELY_UNSET}"], "TRAINER_TEST_SURELY_UNSET"),
     (["good.yaml", "ckpt_path=missing.ckpt"], "ckpt_path 'missing.ckpt' does not exist"),
     (["good.yaml", "model.init_args.lr=${oops"], "override 'model.init_args.lr=${oops': cannot parse the value"),
+    (["good.yaml", "trainer=3"], "override 'trainer=3': 'trainer' must be a mapping of trainer options"),
 ]
 
 
@@ -184,6 +185,17 @@ def test_new_class_path_drops_the_old_init_args(recipes_here):
     assert recipe.model.init_args == {"depth": 2, "width": 4, "lr": 0.1}  # DigitsCNN's lr=0.01 is gone
 
 
+def test_a_strategy_of_another_name_drops_the_old_strategys_options():
+    recipes = REPO / "recipes"
+    recipe = load_recipe([str(recipes / "charlm.yaml"), str(recipes / "charlm_pipeline.yaml"), "trainer.strategy.name=ddp"])
+    assert recipe.trainer.strategy == {"name": "ddp"}  # the pipeline's stages, microbatches, ... are gone
+    recipe = load_recipe([DIGITS, str(recipes / "digits_ps.yaml"), str(recipes / "digits_ddp.yaml")])
+    assert recipe.trainer.strategy == {"name": "ddp", "find_unused_parameters": False}
+    recipe = load_recipe([DIGITS, str(recipes / "digits_ddp.yaml"), "trainer.strategy.name=ddp",
+                          "trainer.strategy.static_graph=true"])
+    assert recipe.trainer.strategy == {"name": "ddp", "find_unused_parameters": False, "static_graph": True}
+
+
 def test_new_class_path_drops_the_old_init_args_of_a_callback(recipes_here):
     checkpoint_args = ["callbacks.0.init_args.save_last=true", "callbacks.0.init_args.monitor=val/loss"]
     recipe = load_recipe(["good.yaml", *checkpoint_args, "callbacks.0.class_path=callbacks.EarlyStopping",
@@ -263,6 +275,19 @@ def test_saved_config_is_the_resolved_recipe(recipes_here):
                                  "trainer.enable_model_summary=false", "model.init_args.channels=64"]).to_dict()
     assert saved["model"]["init_args"]["channels"] == 64 and "ckpt_path" not in saved
     assert not list((recipes_here / "runs" / "good" / "version_0").glob("*.tmp"))
+
+
+def test_a_resume_refused_for_misfit_weights_leaves_the_runs_files_as_they_were(recipes_here, capsys):
+    quiet = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "trainer.enable_model_summary=false"]
+    assert main(["fit", "good.yaml", *quiet]) == 0
+    folder = recipes_here / "runs" / "good" / "version_0"
+    before = {name: (folder / name).read_text() for name in ("config.yaml", "hparams.yaml", "metrics.csv")}
+    capsys.readouterr()
+    [saved] = (folder / "checkpoints").glob("*.ckpt")
+    assert main(["fit", str(folder / "config.yaml"), f"ckpt_path={saved}", "model.init_args.channels=16", *quiet]) == 2
+    assert "the checkpoint's weights do not fit DigitsCNN" in capsys.readouterr().err
+    assert {name: (folder / name).read_text() for name in before} == before
+    assert main(["fit", str(folder / "config.yaml"), f"ckpt_path={saved}", "trainer.max_epochs=2", *quiet]) == 0
 
 
 def test_unknown_command_is_a_usage_error(capsys):

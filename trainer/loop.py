@@ -145,8 +145,10 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
                 raise MisconfigurationError("the training dataloader yielded no batches in this epoch.")
             finished = True
         progress.epoch_done = finished
-        if progress.epoch_done or _steps_done(trainer):
+        if progress.epoch_done:
             _validate_if_due(trainer, val_loaders)
+        elif _steps_done(trainer):  # recorded as done at this batch: a resume from here does not validate again
+            _validate_mid_epoch(trainer, val_loaders)
         # Stopped mid-epoch (max_steps): a resume continues the epoch, so its checkpoint keeps the running values.
         running = None if progress.epoch_done else trainer.metrics.state_dict()
         trainer.metrics.in_step = False

@@ -215,7 +215,10 @@ def _apply_override(merged: DictConfig, token: str) -> None:
         reason = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
         raise MisconfigurationError(f"override {token!r}: cannot parse the value ({reason}); an interpolation "
                                     "reads ${other.key}, and \\${ is a literal '${'.") from err
-    _reset_changed_classes(merged, OmegaConf.create(_nest(key.split("."), value)))
+    layer = OmegaConf.create(_nest(key.split("."), value))
+    if "." not in key:  # a whole section (`trainer=3`) must have the section's shape
+        _check_keys(layer, f"override {token!r}")
+    _reset_changed_classes(merged, layer)
     OmegaConf.update(merged, key, value, merge=True)
 
 
@@ -228,6 +231,11 @@ def _reset_changed_classes(merged: DictConfig, layer: DictConfig) -> None:
     for section in ("model", "data"):
         if _names_another_class(layer.get(section), merged.get(section)):
             merged[section] = {}
+    # Likewise a strategy of another name: ps's options mean nothing to ddp.
+    new_trainer, old_trainer = layer.get("trainer"), merged.get("trainer")
+    if isinstance(new_trainer, DictConfig) and isinstance(old_trainer, DictConfig):
+        if _names_another_class(new_trainer.get("strategy"), old_trainer.get("strategy"), key="name"):
+            old_trainer.strategy = {}
     # A file's callbacks list replaces the old list whole; an override such as callbacks.0.class_path=...
     # arrives as {"callbacks": {"0": {...}}} and merges into the entry it addresses.
     new_entries, old_entries = layer.get("callbacks"), merged.get("callbacks")
@@ -238,9 +246,8 @@ def _reset_changed_classes(merged: DictConfig, layer: DictConfig) -> None:
                 old_entries[position] = {}
 
 
-def _names_another_class(new: Any, old: Any) -> bool:
-    return (isinstance(new, DictConfig) and isinstance(old, DictConfig) and "class_path" in new
-            and new.get("class_path") != old.get("class_path"))
+def _names_another_class(new: Any, old: Any, key: str = "class_path") -> bool:
+    return isinstance(new, DictConfig) and isinstance(old, DictConfig) and key in new and new.get(key) != old.get(key)
 
 
 # --------------------------------------------------------------------------- validation

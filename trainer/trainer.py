@@ -432,6 +432,7 @@ class Trainer:
                 # The checkpoint's step was already written (if due) before it was saved; a micro-batch
                 # that follows it without stepping must not write a second row for the same step.
                 self._last_logged_step = self.progress.batches_stepped
+            self._write_run_files()
             result = self._run_stage(stage, prepared)
             outcome = {"result": result}
             if hand_back:
@@ -484,6 +485,10 @@ class Trainer:
             ours = "version" in loops and loops.get("folder", here) == here
             version = loops["version"] if ours else self._run_version() if self.is_global_zero else None
             self._version = self.strategy.broadcast(version)
+
+    def _write_run_files(self) -> None:
+        """hparams.yaml (through the loggers) and the recipe's config.yaml in the run folder. Written once the
+        stage's checkpoint, if any, has been restored: a refused one leaves a resumed run's files as they were."""
         if self.is_global_zero and self.module is not None and self.loggers:
             hparams = self._logged_hparams()
             for logger in self.loggers:
