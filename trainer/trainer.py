@@ -435,6 +435,8 @@ class Trainer:
             self._write_run_files()
             result = self._run_stage(stage, prepared)
             outcome = {"result": result}
+            if stage == "fit" and not hand_back:  # the script that called fit goes on in this process
+                strategy.gather_module()
             if hand_back:
                 from trainer import launcher
 

@@ -162,6 +162,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str) ->
         val = DataLoader(dataset(), batch_size=12) if spec.get("validate") else None
         train = DataLoader(dataset(spec.get("samples", 32)), batch_size=BATCH, shuffle=True)
         trainer.fit(module, train, val, ckpt_path=spec.get("resume"))
+        torch.save(module.state_dict(), f"{out}/module-{rank}.pt")  # what each rank's script holds after fit
         if spec.get("predict"):
             predictions = trainer.predict(module, DataLoader(dataset(), batch_size=12))
             if rank == 0:
@@ -211,6 +212,8 @@ def test_pipeline_matches_single_device(tmp_path, schedule, stages):
     assert len(record["losses"]) == 8
     torch.testing.assert_close(record["losses"], reference["losses"], rtol=1e-4, atol=1e-5)
     assert_same_weights(record["state"], reference["state"])
+    for rank in range(stages):  # each rank's script holds the whole trained model, not only its stage
+        assert_same_weights(torch.load(tmp_path / f"module-{rank}.pt", weights_only=True), reference["state"])
 
 
 @pytest.mark.timeout(120)

@@ -127,6 +127,10 @@ class Strategy:
         """The global rank whose console output the launcher shows and whose final state the caller adopts."""
         return 0
 
+    def gather_module(self) -> None:
+        """After fit, on a rank whose module was trained only in part (a pipeline stage): load the whole trained
+        model into it, so that the script that called fit holds it (a collective where it does anything)."""
+
     def teardown(self) -> None:
         """Release wrappers and the process group; must leave no thread or group behind."""
         self.model = self.module

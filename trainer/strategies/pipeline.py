@@ -27,7 +27,8 @@ Mesh: world = stages x replicas as a ("dp", "pp") DeviceMesh; rank r is stage r 
 r // stages. Each replica loads its own shard; every stage of a replica loads the same batches (the first
 stage needs the input, the last the target). Stage gradients are averaged over the replicas; clipping by
 norm uses the norm of the whole model. A rank moves only its own stages to its device: the other stages'
-parameters stay where the module was built and are never updated there.
+parameters stay where the module was built and are not updated there during the fit; when it ends, every
+rank's module gets the whole trained model (under torchrun each rank's script holds it).
 
 Checkpoints gather every stage's weights and optimizer state, so they hold the whole model under the keys of
 a single-device run and load into any strategy (and back).
@@ -422,6 +423,10 @@ class PipelineStrategy(Strategy):
     def gather_data_parallel(self, obj: Any) -> list[Any]:
         """From the same stage of every replica: every rank of a pipeline holds its outputs."""
         return distributed.all_gather_object(obj, group=self._dp_group) if self.replicas > 1 else [obj]
+
+    def gather_module(self) -> None:
+        assert self.module is not None
+        self.module.load_state_dict(self.model_state_dict())  # the other stages' weights, from their ranks
 
     # ------------------------------------------------------------------ checkpoints
     def model_state_dict(self) -> dict[str, torch.Tensor]:
