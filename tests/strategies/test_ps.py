@@ -10,6 +10,7 @@ rules (rounds, staleness bound, stale gradients, batch claims) are checked in-pr
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,17 @@ def test_options_through_the_registry_and_their_errors():
         ParameterServerStrategy(stale_gradients="ignore")
     with pytest.raises(MisconfigurationError, match="dynamic_batches=True needs staleness=None"):
         ParameterServerStrategy(staleness=2, dynamic_batches=True)
+
+
+def test_synchronous_ps_says_once_that_it_clips_each_workers_gradient_before_the_average():
+    strategy = ParameterServerStrategy(staleness=0)
+    strategy.environment = ClusterEnvironment(name="torchelastic", global_rank=1, world_size=3)  # the chief
+    layer = nn.Linear(2, 1)
+    layer(torch.ones(1, 2)).sum().mul(100).backward()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="clips each worker's gradient before the servers average them"):
+        strategy.clip_gradients(optimizer, 1.0, "norm")
+    assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in layer.parameters()])) == pytest.approx(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy.clip_gradients(optimizer, 1.0, "norm")  # once a run

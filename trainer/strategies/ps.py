@@ -14,7 +14,8 @@ launcher shows its output and hands its final state to the caller (`reporting_ra
   with their param groups' current hyperparameters (so schedulers and warm-up, which run on the workers,
   set the rate). A push does not wait for other workers; a pull waits only as long as `staleness` asks.
 - `staleness`: 0 is synchronous (the average of every worker's gradient per step: the same training as
-  ddp over the same batches); S >= 1 lets a worker run at most S steps ahead of the slowest, and a
+  ddp over the same batches, except that gradient_clip_val clips each worker's gradient before the
+  average, where ddp clips the average); S >= 1 lets a worker run at most S steps ahead of the slowest, and a
   gradient computed on parameters more than S updates old is dropped or down-weighted
   (`stale_gradients`), counted in `ps/stale_gradients`; None: no bound at all. Each step logs
   `ps/staleness`, the updates applied between the pull and the push of its gradient.
@@ -109,7 +110,7 @@ class ParameterServerStrategy(Strategy):
         self.ps_servers, self.staleness, self.stale_gradients = ps_servers, staleness, stale_gradients
         self.dynamic_batches, self.backend, self.environment_choice = dynamic, backend, environment
         self._client: ShardClient | None = None
-        self._in_rpc = self._owns_group = False
+        self._in_rpc = self._owns_group = self._clip_told = False
         self._rpc_store: dist.Store | None = None  # RPC's rendezvous store, when this rank must serve it
         self._ambient_exception: BaseException | None = None
 
@@ -302,6 +303,17 @@ class ParameterServerStrategy(Strategy):
         if self._client is not None:
             self._client.refresh()
         return super().eval_step(step_name, batch, batch_idx, dataloader_idx)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
+        """Clip this worker's gradient before it is pushed: the servers average clipped gradients, where ddp
+        clips the average (the same only while no worker's gradient is clipped); said once, by the chief."""
+        if self.staleness == 0 and self.is_global_zero and not self._clip_told:
+            self._clip_told = True
+            warnings.warn(
+                "strategy='ps' clips each worker's gradient before the servers average them; ddp clips the "
+                "averaged gradient, so synchronous ps with gradient_clip_val trains like ddp only while no "
+                "worker's gradient exceeds the limit.", stacklevel=2)
+        super().clip_gradients(optimizer, value, algorithm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Push the gradients (RemoteOptimizer.step); log how stale they were."""
