@@ -53,6 +53,7 @@ class Trainer:
         # Validated here, in the calling process, before any worker starts.
         self.strategy: Strategy = build_strategy(self.config.strategy)
         self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
+        self.strategy.check_config(self.config)
         self.strategy.timeout = float(self.config.timeout)
         self.loggers: list[Logger] = self._build_loggers(self.config.logger)
         # One callback alone is accepted as Lightning accepts it.

@@ -388,7 +388,7 @@ def test_model_errors_name_the_fix(monkeypatch):
     class Sampling(TrainModule):
         def __init__(self):
             super().__init__()
-            self.layer = nn.Linear(2, 2)
+            self.layer, self.head = nn.Linear(2, 2), nn.Linear(2, 2)
 
         def pipeline_loss(self, output, batch):
             return output.sum()
@@ -406,6 +406,10 @@ def test_model_errors_name_the_fix(monkeypatch):
     with pytest.raises(MisconfigurationError, match=r"Sampling.predict_step cannot run under strategy='pipeline'.*"
                                                     r"Predict with strategy='single' or 'ddp'"):
         trainer.predict(Sampling(), DataLoader(dataset(), batch_size=8))
+    split = Trainer(strategy={"name": "pipeline", "split_points": ["blocks.9"]}, devices=2, accelerator="cpu",
+                    logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(MisconfigurationError, match=r"split point 'blocks.9' is not a submodule"):
+        split.fit(fresh(), DataLoader(dataset(), batch_size=8))
     assert started == []
     configured().check_module(Sampling(), "fit")  # trains and validates on pipeline_loss
 

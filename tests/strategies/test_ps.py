@@ -311,6 +311,11 @@ def test_options_through_the_registry_and_their_errors():
         ParameterServerStrategy(stale_gradients="ignore")
     with pytest.raises(MisconfigurationError, match="dynamic_batches=True needs staleness=None"):
         ParameterServerStrategy(staleness=2, dynamic_batches=True)
+    # Refused as the Trainer is built: claimed batches give an epoch no length to take a fraction of.
+    with pytest.raises(MisconfigurationError, match=r"limit_train_batches=0.5 is a fraction of an epoch, but "
+                                                    r"strategy='ps' with dynamic_batches"):
+        Trainer(strategy="ps", devices=3, accelerator="cpu", limit_train_batches=0.5)
+    Trainer(strategy={"name": "ps", "staleness": 0}, devices=3, accelerator="cpu", limit_train_batches=0.5)
 
 
 def test_synchronous_ps_says_once_that_it_clips_each_workers_gradient_before_the_average():

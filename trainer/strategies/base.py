@@ -25,6 +25,7 @@ from trainer.precision import Precision
 HOST = torch.device("cpu")
 
 if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
     from trainer.module import TrainModule
 
 
@@ -159,6 +160,9 @@ class Strategy:
     @property
     def data_parallel_rank(self) -> int:
         return self.global_rank
+
+    def check_config(self, config: TrainerConfig) -> None:
+        """Refuse, when the Trainer is built, options this strategy cannot run with."""
 
     # ------------------------------------------------------------------ the model
     def check_module(self, module: TrainModule, stage: str) -> None:

@@ -49,7 +49,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,9 @@ from trainer.strategies.ps_client import (
     plan_shards,
 )
 from trainer.strategies.ps_server import ParameterShard, on_shard, start_serving, stop_serving
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
 
 STALE_POLICIES = ("drop", "scale")
 BACKENDS = ("gloo", "nccl")
@@ -303,6 +306,16 @@ class ParameterServerStrategy(Strategy):
         if self._client is not None:
             self._client.refresh()
         return super().eval_step(step_name, batch, batch_idx, dataloader_idx)
+
+    def check_config(self, config: TrainerConfig) -> None:
+        # Claimed batches have no length, known only as the epoch runs out: a fraction of one means nothing.
+        options = [(name, getattr(config, name)) for name in ("limit_train_batches", "val_check_interval")]
+        fractions = [(name, value) for name, value in options if isinstance(value, float) and value not in (0.0, 1.0)]
+        if self.dynamic_batches and fractions:
+            name, value = fractions[0]
+            raise MisconfigurationError(
+                f"{name}={value} is a fraction of an epoch, but strategy='ps' with dynamic_batches (staleness=None) "
+                "gives its workers batches as they ask, so an epoch has no length; give a batch count (an int).")
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
         """Clip this worker's gradient before it is pushed: the servers average clipped gradients, where ddp
