@@ -40,7 +40,8 @@ class _SpeedColumn(ProgressColumn):
 def metrics_text(trainer: Trainer) -> str:
     """'step=120 loss=0.1234 ...' from the progress-bar metrics (tensors become floats only here, where the
     bar is drawn, also from rich's refresh thread while the loop runs)."""
-    return " ".join([f"step={trainer.global_step}", *(f"{name}={value:.4g}" for name, value in trainer.progress_bar_metrics.items())])
+    values = (f"{name}={value:.4g}" for name, value in trainer.progress_bar_metrics.items())
+    return " ".join([f"step={trainer.global_step}", *values])
 
 
 class _TrainerProgress(Progress):

@@ -335,8 +335,7 @@ def unsharded_batches(loader: DataLoader) -> int | None:
     sampler = getattr(batch_sampler, "sampler", None)
     if not isinstance(sampler, ShardedSampler):
         return None
-    samples = len(sampler.sampler)  # type: ignore[arg-type]
-    return samples // batch_sampler.batch_size if batch_sampler.drop_last else math.ceil(samples / batch_sampler.batch_size)
+    return _batches_of(len(sampler.sampler), batch_sampler)  # type: ignore[arg-type]
 
 
 def shard_batches(loader: DataLoader) -> list[int] | None:
@@ -349,9 +348,13 @@ def shard_batches(loader: DataLoader) -> list[int] | None:
     sampler = getattr(batch_sampler, "sampler", None)
     if not isinstance(sampler, ShardedSampler):
         return None
-    samples = [len(ShardedSampler(sampler.sampler, sampler.num_replicas, rank)) for rank in range(sampler.num_replicas)]
+    return [_batches_of(len(ShardedSampler(sampler.sampler, sampler.num_replicas, rank)), batch_sampler)
+            for rank in range(sampler.num_replicas)]
+
+
+def _batches_of(samples: int, batch_sampler: BatchSampler) -> int:
     size = batch_sampler.batch_size
-    return [count // size if batch_sampler.drop_last else math.ceil(count / size) for count in samples]
+    return samples // size if batch_sampler.drop_last else math.ceil(samples / size)
 
 
 def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list[Any]:
