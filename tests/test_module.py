@@ -47,6 +47,42 @@ def test_save_hyperparameters_by_name_and_on_a_datamodule():
     assert dict(Data(batch_size=8).hparams) == {"batch_size": 8}
 
 
+def test_save_hyperparameters_takes_a_mapping_or_namespace_and_a_subclasss_arguments(tmp_path):
+    import argparse
+
+    class FromDict(TrainModule):
+        def __init__(self, config) -> None:
+            super().__init__()
+            self.save_hyperparameters(config)
+
+    assert dict(FromDict({"lr": 0.5, "hidden": 3}).hparams) == {"lr": 0.5, "hidden": 3}
+    assert dict(FromDict(argparse.Namespace(lr=0.5, hidden=3)).hparams) == {"lr": 0.5, "hidden": 3}
+
+    class Parent(TrainModule):
+        def __init__(self, lr: float = 0.1) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return (self.layer(batch[0]) - batch[1]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    class Child(Parent):
+        def __init__(self, hidden: int, lr: float = 0.3) -> None:
+            super().__init__(lr=lr / 3)  # the child's own value is what rebuilding the child takes
+            self.hidden = hidden
+
+    child = Child(hidden=5)
+    assert dict(child.hparams) == {"lr": 0.3, "hidden": 5}
+    Trainer(max_epochs=1, **QUIET).fit(child, data())
+    path = tmp_path / "trained.ckpt"
+    child.trainer.save_checkpoint(path)
+    assert Child.load_from_checkpoint(path).hidden == 5
+
+
 def test_outside_a_trainer():
     module = WithHparams(2)
     module.log("ignored", 1.0)  # nothing collects outside fit/validate/test, as in Lightning
@@ -120,6 +156,15 @@ def test_reduce_lr_on_plateau_reads_its_monitored_metric():
 
     with pytest.raises(MisconfigurationError, match="ReduceLROnPlateau monitors 'flat', which was not logged"):
         Trainer(max_epochs=1, **QUIET).fit(Unlogged(), data())
+
+    class MonitorBesideTheOptimizer(Plateau):  # Lightning reads "monitor" at the dict's top level too
+        def configure_optimizers(self):
+            config = super().configure_optimizers()
+            return {**config, "lr_scheduler": config["lr_scheduler"]["scheduler"], "monitor": "flat"}
+
+    trainer = Trainer(max_epochs=3, **QUIET)
+    trainer.fit(MonitorBesideTheOptimizer(), data())
+    assert learning_rate(trainer) == 0.25
 
 
 class TwoOptimizers(Regressor):

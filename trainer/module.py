@@ -29,14 +29,19 @@ class AttributeDict(dict):
         self[key] = value
 
 
-def caller_init_args(frame: Any, names: tuple[str, ...] = (), ignore: list[str] | str | None = None) -> dict[str, Any]:
-    """The arguments the __init__ running in `frame` was called with (what save_hyperparameters keeps)."""
-    if frame is None:
-        return {}
-    args = inspect.getargvalues(frame)
-    values = {name: args.locals[name] for name in args.args if name != "self"}
-    if args.keywords:
-        values.update(args.locals[args.keywords])
+def init_args(frame: Any, owner: Any, names: tuple[str, ...] = (), ignore: list[str] | str | None = None) -> dict[str, Any]:
+    """The arguments of the __init__ running in `frame` and of every __init__ of `owner` that called it (a
+    subclass's, through super().__init__), which save_hyperparameters keeps. The outermost call's values win:
+    they are what rebuilding the same class takes."""
+    values: dict[str, Any] = {}
+    first = frame
+    while frame is not None and (frame is first or frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is owner):
+        args = inspect.getargvalues(frame)
+        own = {name: args.locals[name] for name in args.args if name != "self"}
+        if args.keywords:
+            own.update(args.locals[args.keywords])
+        values.update(own)
+        frame = frame.f_back
     ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
     return {k: v for k, v in values.items() if k not in ignored and k != "__class__" and (not names or k in names)}
 
@@ -44,10 +49,15 @@ def caller_init_args(frame: Any, names: tuple[str, ...] = (), ignore: list[str] 
 class HyperparametersMixin:
     """`save_hyperparameters()` and `hparams`, for TrainModule and DataModule alike."""
 
-    def save_hyperparameters(self, *names: str, ignore: list[str] | str | None = None) -> None:
-        """Store the caller's __init__ arguments in `self.hparams` (and in every checkpoint)."""
+    def save_hyperparameters(self, *names: Any, ignore: list[str] | str | None = None) -> None:
+        """Store the caller's __init__ arguments in `self.hparams` (and in every checkpoint): all of them, the
+        ones named, or, given one mapping or Namespace, its items."""
+        if len(names) == 1 and not isinstance(names[0], str):
+            given = names[0]
+            self.hparams.update(given if isinstance(given, Mapping) else vars(given))
+            return
         frame = inspect.currentframe()
-        self.hparams.update(caller_init_args(frame.f_back if frame else None, names, ignore))
+        self.hparams.update(init_args(frame.f_back if frame else None, self, names, ignore))
 
     @property
     def hparams(self) -> AttributeDict:

@@ -29,16 +29,17 @@ class SchedulerConfig:
     name: str | None = None
 
 
-def _scheduler_config(item: Any) -> SchedulerConfig:
+def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
+    """`monitor`: the one given beside the optimizer ({"optimizer", "lr_scheduler", "monitor"}, as Lightning reads it)."""
     if isinstance(item, Mapping):
         unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
         if "scheduler" not in item or unknown:
             raise MisconfigurationError(
                 f"an lr_scheduler dict needs 'scheduler' and may hold interval, frequency, monitor, strict, name; got {sorted(item)}."
             )
-        config = SchedulerConfig(**item)
+        config = SchedulerConfig(**{"monitor": monitor, **item})
     else:
-        config = SchedulerConfig(item)
+        config = SchedulerConfig(item, monitor=monitor)
     if not isinstance(config.scheduler, (LRScheduler, ReduceLROnPlateau)):
         raise MisconfigurationError(f"expected an LR scheduler, got {type(config.scheduler).__name__}.")
     if config.interval not in ("step", "epoch"):
@@ -57,7 +58,8 @@ def parse_optimizers(output: Any) -> tuple[list[Optimizer], list[SchedulerConfig
     if isinstance(output, (list, tuple)):
         if all(isinstance(item, Mapping) for item in output) and output:
             optimizers = [item["optimizer"] for item in output]
-            schedulers = [_scheduler_config(item["lr_scheduler"]) for item in output if item.get("lr_scheduler")]
+            schedulers = [_scheduler_config(item["lr_scheduler"], item.get("monitor")) for item in output
+                          if item.get("lr_scheduler")]
             return _checked(optimizers), schedulers
         if len(output) == 2 and isinstance(output[0], (list, tuple)):
             return _checked(list(output[0])), [_scheduler_config(s) for s in output[1]]
