@@ -225,3 +225,35 @@ def test_module_pickles_without_its_trainer():
     copy = pickle.loads(pickle.dumps(module))
     assert copy._trainer is None
     assert torch.equal(copy.layer.weight, module.layer.weight)
+
+
+def test_setup_builds_layers_before_the_optimizers_and_teardown_ends_each_stage():
+    class Lazy(TrainModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def setup(self, stage):
+            self.calls.append(f"setup:{stage}")
+            if not hasattr(self, "layer"):
+                self.layer = nn.Linear(2, 1)
+
+        def teardown(self, stage):
+            self.calls.append(f"teardown:{stage}")
+
+        def training_step(self, batch, batch_idx):
+            return (self.layer(batch[0]) - batch[1]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", (self.layer(batch[0]) - batch[1]).pow(2).mean())
+
+        def configure_optimizers(self):
+            self.calls.append("configure_optimizers")
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Lazy()
+    trainer = Trainer(max_epochs=2, **QUIET)
+    trainer.fit(module, data())
+    trainer.validate(module, data(), verbose=False)
+    assert module.calls == ["setup:fit", "configure_optimizers", "teardown:fit", "setup:validate", "teardown:validate"]
+    assert trainer.global_step > 0 and "val_loss" in trainer.callback_metrics

@@ -371,3 +371,23 @@ def test_fast_dev_run_leaves_a_given_checkpoint_callback_and_early_stopping_idle
     trainer.fit(Counting(), loader(), loader())
     assert trainer.global_step == 2
     assert not (tmp_path / "ckpts").exists()
+
+
+def test_a_stage_called_after_fit_without_a_module_evaluates_the_best_checkpoint(tmp_path):
+    class WorseEachEpoch(Counting):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.log("val_score", float(self.current_epoch))  # the best checkpoint is epoch 0's
+
+    checkpoint = ModelCheckpoint(monitor="val_score", mode="min")
+    trainer = Trainer(max_epochs=3, callbacks=[checkpoint], **{**QUIET, "enable_checkpointing": True},
+                      default_root_dir=str(tmp_path))
+    module = WorseEachEpoch()
+    trainer.fit(module, loader(), loader())
+    final = module.layer.weight.detach().clone()
+    best = torch.load(checkpoint.best_model_path, weights_only=True)["state_dict"]["layer.weight"]
+    assert not torch.equal(best, final)
+    with pytest.warns(UserWarning, match=r"Trainer.test was called without a module: it uses the previous fit's best "
+                                         r"checkpoint, .*epoch=0"):
+        trainer.test(dataloaders=loader(), verbose=False)
+    assert torch.equal(module.layer.weight, best)
+    trainer.test(module, loader(), verbose=False)  # a module given: its own weights, no warning

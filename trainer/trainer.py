@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,7 @@ class Trainer:
     def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
                 datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[Any]:
         """predict_step over every batch; a list of outputs (a list per loader when there are several)."""
+        ckpt_path = self._default_ckpt_path("predict", module, ckpt_path, calls_below_user=1)
         module = module or self.module
         self._check_inputs(module, datamodule or self.datamodule, "predict", dataloaders)
         result = self._dispatch("predict", module, datamodule or self.datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
@@ -341,6 +343,7 @@ class Trainer:
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
                   ckpt_path: str | Path | None, verbose: bool) -> list[dict[str, float]]:
+        ckpt_path = self._default_ckpt_path(stage, module, ckpt_path, calls_below_user=2)
         module = module or self.module
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         self._check_inputs(module, datamodule, stage, dataloaders)
@@ -348,6 +351,17 @@ class Trainer:
         if verbose and results and self.is_global_zero:
             print_results_table(results, stage)
         return results
+
+    def _default_ckpt_path(self, stage: str, module: TrainModule | None, ckpt_path: str | Path | None,
+                           calls_below_user: int) -> str | Path | None:
+        """As in Lightning: called after a fit with neither a module nor a ckpt_path, a stage evaluates the fit's
+        best checkpoint (where one was kept), not its last weights, and says so."""
+        best = getattr(self.checkpoint_callback, "best_model_path", "")
+        if module is not None or ckpt_path is not None or self.module is None or not best:
+            return ckpt_path
+        warnings.warn(f"Trainer.{stage} was called without a module: it uses the previous fit's best checkpoint, "
+                      f"{best}; pass ckpt_path='last' (or a path), or the module, to choose.", stacklevel=2 + calls_below_user)
+        return "best"
 
     def _check_inputs(self, module: Any, datamodule: Any, stage: str, loaders: Any) -> None:
         if not isinstance(module, TrainModule):
@@ -421,6 +435,7 @@ class Trainer:
             checkpoint = load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
             prepared = stage_loaders(strategy, stage, datamodule, loaders, self.config.seed or 0)
+            module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
             strategy.setup_module(module)
             if stage == "fit":
                 self._setup_optimizers(module)
@@ -455,6 +470,7 @@ class Trainer:
         finally:
             for callback in self.callbacks:
                 callback.teardown(self, module, stage)
+            module.teardown(stage)
             if datamodule is not None:
                 datamodule.teardown(stage)
             if strategy.is_global_zero:

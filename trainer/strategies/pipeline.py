@@ -218,8 +218,10 @@ class PipelineStrategy(Strategy):
                 "stage of the model, and pipeline's predict returns the last stage's output for pipeline_input(batch). "
                 "Predict with strategy='single' or 'ddp': a pipeline run's checkpoints load into any strategy."
             )
-        # The cut itself (split points, pipeline_stages, tied weights), so that it fails before processes start.
-        stage_ownership(module, build_stage_modules(module, self.num_chunks, self.split_points))
+        # The cut itself (split points, pipeline_stages, tied weights), so that it fails before processes start;
+        # a module that builds layers in its setup(stage) is cut once it has them, in the workers.
+        if type(module).setup is TrainModule.setup:
+            stage_ownership(module, build_stage_modules(module, self.num_chunks, self.split_points))
 
     def setup_module(self, module: TrainModule) -> None:
         """Cut the module into stages, keep this rank's on its device (the rest stays where it was)."""
