@@ -391,3 +391,32 @@ def test_a_stage_called_after_fit_without_a_module_evaluates_the_best_checkpoint
         trainer.test(dataloaders=loader(), verbose=False)
     assert torch.equal(module.layer.weight, best)
     trainer.test(module, loader(), verbose=False)  # a module given: its own weights, no warning
+
+
+def test_limit_val_batches_zero_turns_validation_off_and_the_sanity_check_follows_the_limit():
+    module = Counting()
+    Trainer(max_epochs=2, limit_val_batches=0, **QUIET).fit(module, loader(), loader())
+    assert module.calls["val"] == 0 and module.calls["train"] == 10
+    module = Counting()
+    trainer = Trainer(max_epochs=1, limit_val_batches=3, num_sanity_val_steps=-1, **QUIET)
+    trainer.fit(module, loader(), loader())
+    assert module.calls["val"] == 3 + 3  # the sanity check's (all a validation runs: 3), then the epoch's
+
+
+def test_training_does_not_depend_on_whether_a_sanity_check_ran():
+    class Dropping(Counting):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.layer(self.drop(x))
+
+    weights = []
+    for sanity in (0, 2):
+        torch.manual_seed(0)
+        module = Dropping()
+        val = DataLoader(dataset(20), batch_size=4, shuffle=True)  # its iterator draws a seed from the global RNG
+        Trainer(max_epochs=2, seed=1, num_sanity_val_steps=sanity, **QUIET).fit(module, loader(), val)
+        weights.append(module.layer.weight.detach().clone())
+    assert torch.equal(*weights)

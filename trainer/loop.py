@@ -28,6 +28,7 @@ from trainer.data import (
 from trainer.errors import MisconfigurationError
 from trainer.faults import StepGuard
 from trainer.optim import step_scheduler
+from trainer.rng import rng_state, set_rng_state
 from trainer.step import TrainStep
 from trainer.strategies.base import move_to_device
 
@@ -101,10 +102,17 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     val_every = _val_every(config.val_check_interval, num_batches)
     step_limit = config.max_steps if config.max_steps != -1 else math.inf
 
-    if config.num_sanity_val_steps and val_loaders and progress.global_step == 0:
+    if config.num_sanity_val_steps and val_loaders and config.limit_val_batches != 0 and progress.global_step == 0:
+        limit = config.limit_val_batches  # -1: all the batches a validation runs
+        if config.num_sanity_val_steps > 0:
+            limit = min(config.num_sanity_val_steps, limit) if isinstance(limit, int) else config.num_sanity_val_steps
         trainer.sanity_checking = True
         trainer.call("on_sanity_check_start")
-        evaluation_loop(trainer, "validate", val_loaders, limit=config.num_sanity_val_steps if config.num_sanity_val_steps > 0 else 1.0)
+        # Its loaders draw from the global RNG (a worker seed, a shuffle): restored, so that training does not
+        # depend on whether a sanity check ran, as in Lightning.
+        saved = rng_state()
+        evaluation_loop(trainer, "validate", val_loaders, limit=limit)
+        set_rng_state(saved)
         trainer.call("on_sanity_check_end")
         trainer.sanity_checking = False
 
@@ -246,7 +254,7 @@ def _validate_mid_epoch(trainer: Trainer, val_loaders: list[DataLoader]) -> None
 
 def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
     config = trainer.config
-    if not val_loaders or (trainer.progress.epoch + 1) % config.check_val_every_n_epoch != 0:
+    if not val_loaders or config.limit_val_batches == 0 or (trainer.progress.epoch + 1) % config.check_val_every_n_epoch:
         return
     evaluation_loop(trainer, "validate", val_loaders, limit=config.limit_val_batches)
     trainer.module.train()
