@@ -420,3 +420,17 @@ def test_training_does_not_depend_on_whether_a_sanity_check_ran():
         Trainer(max_epochs=2, seed=1, num_sanity_val_steps=sanity, **QUIET).fit(module, loader(), val)
         weights.append(module.layer.weight.detach().clone())
     assert torch.equal(*weights)
+
+
+def test_options_that_would_silently_do_nothing_are_refused():
+    class NoTestStep(Counting):
+        test_step = TrainModule.test_step
+
+    with pytest.raises(MisconfigurationError, match=r"Trainer.test needs NoTestStep.test_step\(self, batch, batch_idx\)"):
+        Trainer(**QUIET).test(NoTestStep(), loader())
+    with pytest.raises(MisconfigurationError, match=r"a batch limit of 0.05 is less than one of this dataloader's 5 "
+                                                    r"batches; use at least 0.2"):
+        Trainer(max_epochs=1, limit_val_batches=0.05, **QUIET).fit(Counting(), loader(), loader())
+    with pytest.raises(MisconfigurationError, match=r"val_check_interval=20 batches is more than the 5 training "
+                                                    r"batches of an epoch"):
+        Trainer(max_epochs=1, val_check_interval=20, **QUIET).fit(Counting(), loader(), loader())

@@ -77,6 +77,11 @@ def batch_limit(loader: DataLoader, limit: int | float, length: int | float | No
     if isinstance(limit, int) and not isinstance(limit, bool):
         return int(min(limit, length))
     if length != math.inf:
+        if 0 < length * limit < 1:  # a fraction that rounds to no batch is a mistake, not a wish to skip
+            raise MisconfigurationError(
+                f"a batch limit of {limit} is less than one of this dataloader's {length} batches; use at least "
+                f"{1 / length:.3g}, a count (an int), or 0 to run none."
+            )
         return int(length * limit)
     if limit not in (0.0, 1.0):
         raise MisconfigurationError(
@@ -205,6 +210,12 @@ def _val_every(interval: int | float, num_batches: int | float) -> int | float:
         return math.inf
     if isinstance(interval, float):
         return max(1, int(num_batches * interval))
+    if interval > num_batches:
+        raise MisconfigurationError(
+            f"val_check_interval={interval} batches is more than the {num_batches} training batches of an epoch, so "
+            "it would never validate mid-epoch; use at most that many (validation at each epoch end is 1.0), or "
+            "limit_val_batches=0 to turn validation off."
+        )
     return max(1, interval)
 
 

@@ -167,6 +167,12 @@ class Strategy:
     # ------------------------------------------------------------------ the model
     def check_module(self, module: TrainModule, stage: str) -> None:
         """Refuse, before any process starts, a module this strategy cannot run `stage` ("fit", ...) with."""
+        from trainer.module import TrainModule  # here: trainer.module imports the strategies' package
+
+        step = {"validate": "validation_step", "test": "test_step"}.get(stage)
+        if step is not None and getattr(type(module), step) is getattr(TrainModule, step):
+            raise MisconfigurationError(f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); "
+                                        "it has none.")
 
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
