@@ -257,3 +257,43 @@ def test_setup_builds_layers_before_the_optimizers_and_teardown_ends_each_stage(
     trainer.validate(module, data(), verbose=False)
     assert module.calls == ["setup:fit", "configure_optimizers", "teardown:fit", "setup:validate", "teardown:validate"]
     assert trainer.global_step > 0 and "val_loss" in trainer.callback_metrics
+
+
+def test_manual_optimization_fires_the_step_hooks_and_offers_clipping_and_toggling():
+    from callbacks import Callback
+
+    class Gan(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            for optimizer, layer, frozen in zip(self.optimizers(), (self.layer, self.other), (self.other, self.layer)):
+                self.toggle_optimizer(optimizer)
+                assert not frozen.weight.requires_grad and layer.weight.requires_grad
+                loss = (layer(batch[0]) - batch[1]).pow(2).mean() * 100
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+                assert layer.weight.grad.abs().max() <= 0.01
+                optimizer.step()
+                self.untoggle_optimizer(optimizer)
+            assert self.layer.weight.requires_grad and self.other.weight.requires_grad
+
+    class Hooks(Callback):
+        def __init__(self):
+            self.calls = {}
+
+        def count(self, name):
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+        def on_before_backward(self, trainer, module, loss):
+            self.count("before_backward")
+
+        def on_after_backward(self, trainer, module):
+            self.count("after_backward")
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.count("before_optimizer_step")
+
+    hooks = Hooks()
+    trainer = Trainer(max_epochs=1, callbacks=[hooks], **QUIET)
+    trainer.fit(Gan(), data())
+    steps = trainer.global_step  # two optimizer steps a batch
+    assert steps > 0 and hooks.calls == {"before_backward": steps, "after_backward": steps, "before_optimizer_step": steps}

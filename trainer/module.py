@@ -229,8 +229,38 @@ class TrainModule(HyperparametersMixin, nn.Module):
         return scheds[0] if len(scheds) == 1 else scheds
 
     def manual_backward(self, loss: torch.Tensor) -> None:
-        """Backward through the strategy (grad scaling, DDP hooks) under manual optimization."""
-        self.trainer.strategy.backward(loss)
+        """Backward through the strategy (grad scaling, DDP hooks) under manual optimization, between the
+        on_before_backward and on_after_backward hooks, as in automatic optimization."""
+        trainer = self.trainer
+        trainer.call("on_before_backward", loss)
+        trainer.strategy.backward(loss)
+        trainer.call("on_after_backward")
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip `optimizer`'s gradients (unscaled first under a grad scaler) by norm or by value, for manual
+        optimization; nothing when `gradient_clip_val` is None."""
+        if gradient_clip_val is None:
+            return
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise MisconfigurationError(f"gradient_clip_algorithm={algorithm!r}; use 'norm' or 'value'.")
+        self.trainer.strategy.clip_gradients(getattr(optimizer, "optimizer", optimizer), float(gradient_clip_val), algorithm)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Let only `optimizer`'s parameters take gradients (the others' requires_grad is off until
+        `untoggle_optimizer`), as when training a GAN's two networks in turn."""
+        own = {id(p) for group in getattr(optimizer, "optimizer", optimizer).param_groups for p in group["params"]}
+        toggled = self.__dict__.setdefault("_toggled", {})
+        for parameter in self.parameters():
+            if id(parameter) not in own:
+                toggled.setdefault(parameter, parameter.requires_grad)
+                parameter.requires_grad = False
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Give back the requires_grad that `toggle_optimizer` turned off."""
+        for parameter, requires_grad in self.__dict__.pop("_toggled", {}).items():
+            parameter.requires_grad = requires_grad
 
     # ----------------------------------------------------------------- checkpoints
     @classmethod
