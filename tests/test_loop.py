@@ -475,3 +475,25 @@ def test_the_run_summary_says_how_long_training_waited_for_data(tmp_path):
     share, wait = trainer.data_wait
     assert share > 0.5 and wait >= 0.004  # two samples of 2 ms, on a step of microseconds
     assert summary.run_summary["waiting for data"] == f"{share:.0%} of the time, {wait * 1e3:.2f} ms a batch (first batches)"
+
+
+def test_a_training_step_returning_none_skips_its_batch_as_in_lightning():
+    class Skipping(Regressor):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+    torch.manual_seed(123)
+    module = Skipping()
+    expected = copy.deepcopy(module)
+    dataset = regression_data(samples=40)
+    trainer = Trainer(seed=SEED, max_epochs=2, **QUIET)
+    trainer.fit(module, DataLoader(dataset, batch_size=8))
+    optimizer = make_optimizer(expected.parameters(), "sgd", 0.05)
+    for _ in range(2):
+        for batch_idx, (x, y) in enumerate(DataLoader(dataset, batch_size=8)):
+            if batch_idx % 2 == 0:
+                F.mse_loss(expected(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    assert_same_weights(module, expected)
+    assert trainer.global_step == 6  # batches 0, 2 and 4 of each epoch stepped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from trainer.errors import MisconfigurationError
 from trainer.optim import step_scheduler
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class TrainStep:
         self.on_before_optimizer_step = trainer.hook("on_before_optimizer_step")
         self.on_before_zero_grad = trainer.hook("on_before_zero_grad")
         self.on_train_batch_end = trainer.hook("on_train_batch_end")
+        self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
         """True when on_train_batch_start returned -1: Lightning's convention for skipping the rest of the epoch."""
@@ -60,11 +62,14 @@ class TrainStep:
             else:
                 with strategy.no_backward_sync():  # gradients only need synchronising on the micro-batch that steps
                     outputs = strategy.forward_backward(batch, batch_idx, self.loss_scale, self.on_before_backward)
-            if self.on_after_backward is not None:
-                self.on_after_backward()
-            # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
-            if self.guard.allow_step(outputs, batch_idx, stepping):
-                self.optimizer_step()
+            if outputs is None:
+                self._skipped_batch(batch_idx, is_last)
+            else:
+                if self.on_after_backward is not None:
+                    self.on_after_backward()
+                # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
+                if self.guard.allow_step(outputs, batch_idx, stepping):
+                    self.optimizer_step()
         progress.epoch_batches = batch_idx + 1
         if self.on_train_batch_end is None:
             self.trainer.publish_step_metrics()
@@ -72,6 +77,23 @@ class TrainStep:
             self.trainer.publish_step_metrics(write=False)
             self.on_train_batch_end(outputs, batch, batch_idx)
             self.trainer.publish_step_metrics()
+
+    def _skipped_batch(self, batch_idx: int, is_last: bool) -> None:
+        """training_step returned None: no backward and no optimizer step for this batch (gradients accumulated
+        before it wait for the next step), as in Lightning. Only where one process trains: the others would
+        wait in their gradient all-reduce for this one. An epoch of nothing but None is a forgotten `return`."""
+        if self.strategy.data_parallel_size > 1:
+            raise MisconfigurationError(
+                "training_step returned None, which skips the batch on one process only; the other processes would "
+                "wait for it in the gradient all-reduce. Return a loss on every process (e.g. loss * 0 to skip).")
+        epoch = self.progress.epoch
+        skipped = self.skipped[1] + 1 if self.skipped[0] == epoch else 1
+        self.skipped = (epoch, skipped)
+        if is_last and skipped == batch_idx + 1:
+            raise MisconfigurationError(
+                f"training_step returned None (nothing) for every batch of epoch {epoch}; under automatic "
+                "optimization it must return the loss tensor or a dict with key 'loss' (None skips a batch), or set "
+                "`automatic_optimization = False`.")
 
     def optimizer_step(self) -> None:
         """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers."""

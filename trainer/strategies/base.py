@@ -203,6 +203,8 @@ class Strategy:
         Returns training_step's output (its loss unscaled). A pipeline overrides this: its schedule does both.
         """
         output = self.training_step(batch, batch_idx)
+        if output is None:
+            return None  # the batch is skipped, as in Lightning (TrainStep allows it where one process trains)
         loss = step_loss(output)
         if before_backward is not None:
             before_backward(loss)
