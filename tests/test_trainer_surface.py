@@ -434,3 +434,28 @@ def test_options_that_would_silently_do_nothing_are_refused():
     with pytest.raises(MisconfigurationError, match=r"val_check_interval=20 batches is more than the 5 training "
                                                     r"batches of an epoch"):
         Trainer(max_epochs=1, val_check_interval=20, **QUIET).fit(Counting(), loader(), loader())
+
+
+def test_a_datamodules_saved_state_is_back_before_it_builds_the_resumed_runs_loaders(tmp_path):
+    class Curriculum(DataModule):
+        """Its saved state says how many samples its training loader serves."""
+
+        def __init__(self, samples: int = 8) -> None:
+            super().__init__()
+            self.samples = samples
+
+        def train_dataloader(self):
+            return loader(self.samples)
+
+        def state_dict(self):
+            return {"samples": 2 * self.samples}  # the next epochs' curriculum step
+
+        def load_state_dict(self, state):
+            self.samples = state["samples"]
+
+    options = {**QUIET, "enable_checkpointing": True, "default_root_dir": str(tmp_path)}
+    first = Trainer(max_epochs=1, **options)
+    first.fit(Counting(), datamodule=Curriculum())
+    resumed = Trainer(max_epochs=2, **options)
+    resumed.fit(Counting(), datamodule=Curriculum(), ckpt_path=first.checkpoint_callback.last_model_path)
+    assert (first.num_training_batches, resumed.num_training_batches) == (2, 4)

@@ -228,7 +228,7 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
     for callback in trainer.callbacks:
         if callback.state_key in saved:
             callback.load_state_dict(saved[callback.state_key])
-    if trainer.datamodule is not None:
+    if trainer.datamodule is not None:  # again: an elastic restart's checkpoint came after the loaders were built
         trainer.datamodule.load_state_dict(checkpoint.get("datamodule", {}))
     metric_states = checkpoint["loops"].get("metrics", [])
     if metric_states and trainer.metrics is not None:

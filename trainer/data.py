@@ -430,15 +430,18 @@ _LOADER_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
 def stage_loaders(strategy: Strategy, stage: str, datamodule: DataModule | None, loaders: tuple[Any, ...],
-                  seed: int) -> list[DataLoader]:
+                  seed: int, datamodule_state: dict[str, Any] | None = None) -> list[DataLoader]:
     """The stage's loaders (for fit: training first, then validation), from `loaders` or the datamodule, each
-    prepared for this rank by `strategy`. Rank 0 warns about workers that the node's processes start together
-    beyond its cores."""
+    prepared for this rank by `strategy`. A checkpoint's `datamodule_state` is loaded after the datamodule's
+    setup and before it builds the loaders, which may depend on it, as in Lightning. Rank 0 warns about
+    workers that the node's processes start together beyond its cores."""
     if datamodule is not None:
         if strategy.local_rank == 0:
             datamodule.prepare_data()
         strategy.barrier("prepare_data")
         datamodule.setup(stage)
+        if datamodule_state is not None:
+            datamodule.load_state_dict(datamodule_state)
         names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
         loaders = tuple(getattr(datamodule, name)() for name in names)
     if stage == "fit":

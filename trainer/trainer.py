@@ -434,7 +434,8 @@ class Trainer:
         try:
             checkpoint = load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
-            prepared = stage_loaders(strategy, stage, datamodule, loaders, self.config.seed or 0)
+            prepared = stage_loaders(strategy, stage, datamodule, loaders, self.config.seed or 0,
+                                     checkpoint.get("datamodule") if checkpoint is not None else None)
             module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
             strategy.setup_module(module)
             if stage == "fit":
