@@ -23,7 +23,8 @@ class LearningRateMonitor(Callback):
     lr_scheduler dict; with several parameter groups `<name>/pg1`, `<name>/pg2` (or `<name>/<group's "name">`).
     `log_momentum` adds `<name>-momentum` (beta1 for Adam-like optimizers) and `log_weight_decay`
     `<name>-weight_decay`. `logging_interval="step"` logs every `log_every_n_steps` steps, "epoch" once per
-    epoch, and None follows each optimizer's schedulers (step-interval ones per step, the others per epoch).
+    epoch, and None follows each optimizer's schedulers (step-interval ones per step, the others per epoch;
+    an optimizer without one at both).
     A row at step s holds the rate the next optimizer step uses.
     """
 
@@ -49,9 +50,10 @@ class LearningRateMonitor(Callback):
         self._names = group_names(trainer.optimizers, trainer.lr_scheduler_configs)
         self._interval_of = []
         for optimizer in trainer.optimizers:
-            stepped = any(c.interval == "step" and getattr(c.scheduler, "optimizer", None) is optimizer
-                          for c in trainer.lr_scheduler_configs)
-            self._interval_of.append(self.logging_interval or ("step" if stepped else "epoch"))
+            own = [c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer]
+            # As in Lightning, an optimizer without a scheduler (its rate changed by hand, say) is logged at both.
+            follows = "step" if any(c.interval == "step" for c in own) else "epoch" if own else "any"
+            self._interval_of.append(self.logging_interval or follows)
 
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
         step = trainer.progress.batches_stepped
@@ -71,7 +73,7 @@ class LearningRateMonitor(Callback):
         ratio = trainer.lr_scaler.warmup_ratio(trainer.global_step)
         values: dict[str, float] = {}
         for optimizer, names, optimizer_interval in zip(trainer.optimizers, self._names, self._interval_of):
-            if optimizer_interval != interval:
+            if optimizer_interval not in (interval, "any"):
                 continue
             for group, name in zip(optimizer.param_groups, names):
                 values[name] = float(group["lr"]) * ratio

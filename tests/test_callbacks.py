@@ -448,6 +448,20 @@ def test_lr_monitor_follows_an_epoch_scheduler(tmp_path):
     assert read_lr_rows(trainer.log_dir) == expected
 
 
+def test_lr_monitor_logs_an_optimizer_without_a_scheduler_every_step_and_epoch(tmp_path):
+    class ByHand(Scheduled):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.optimizers().param_groups[0]["lr"] += 0.1  # a rate no scheduler knows about
+
+    trainer = make_trainer(tmp_path, [LearningRateMonitor()], max_epochs=2, logger=True, log_every_n_steps=1)
+    trainer.fit(ByHand(None), *loaders())
+    steps = 2 * BATCHES_PER_EPOCH  # each step's row, and each epoch start's (as in Lightning)
+    expected = sorted([(s, pytest.approx(0.1 * (s + 1))) for s in range(steps)] +
+                      [(e * BATCHES_PER_EPOCH, pytest.approx(0.1 * (e * BATCHES_PER_EPOCH + 1))) for e in range(2)],
+                      key=lambda row: row[0])
+    assert read_lr_rows(trainer.log_dir) == expected
+
+
 def test_lr_monitor_logs_the_warmed_rate_during_lr_scaling_warmup(tmp_path):
     trainer = make_trainer(tmp_path, [LearningRateMonitor("step")], max_epochs=2, logger=True, log_every_n_steps=1,
                            accumulate_grad_batches=2, lr_scaling="linear", lr_warmup_steps=2)
