@@ -69,6 +69,9 @@ class Net(TrainModule):
         self.log("rank1_batches", float(self.global_rank), reduce_fx="sum", sync_dist=True)
         self.log("max_rank", float(self.global_rank), reduce_fx="max", sync_dist=True)
 
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", F.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=BASE_LR, momentum=0.9)
 
