@@ -176,7 +176,7 @@ def test_a_resumed_fit_keeps_the_rows_of_a_validation_run_after_its_checkpoint(d
     options["enable_checkpointing"] = True
     trainer = Trainer(max_epochs=1, **options)
     trainer.fit(Classifier(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
-    trainer.validate(dataloaders=DataLoader(val, batch_size=8))  # after the fit's last checkpoint, at its step
+    trainer.validate(trainer.module, DataLoader(val, batch_size=8))  # after the fit's last checkpoint, at its step
     metrics = trainer.log_dir / "metrics.csv"
     before = read_csv(metrics)[1]
     assert [row["step"] for row in before if row["val_loss"]] == ["3", "3"]
