@@ -103,8 +103,10 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
     ckpt = tmp_path / "mid.ckpt"
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(tmp_path / "crashed", [SaveAt(ckpt, step=4, crash_at_step=6)], accumulate_grad_batches=2)
-    saved = load_checkpoint_file(ckpt)["loops"]["progress"]
+    whole = load_checkpoint_file(ckpt)
+    saved = whole["loops"]["progress"]
     assert (saved["epoch"], saved["global_step"], saved["epoch_batches"]) == (1, 4, 2)
+    assert (whole["epoch"], whole["global_step"]) == (1, 4) and whole["hyper_parameters"] == whole["hparams"]  # Lightning's
 
     resumed = fit(tmp_path / "crashed", ckpt_path=ckpt, accumulate_grad_batches=2)
     assert resumed.trainer.global_step == full.trainer.global_step == 9

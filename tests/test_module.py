@@ -81,6 +81,9 @@ def test_save_hyperparameters_takes_a_mapping_or_namespace_and_a_subclasss_argum
     path = tmp_path / "trained.ckpt"
     child.trainer.save_checkpoint(path)
     assert Child.load_from_checkpoint(path).hidden == 5
+    lightning = tmp_path / "lightning.ckpt"  # Lightning's own layout: its hparams under hyper_parameters
+    torch.save({"state_dict": child.state_dict(), "hyper_parameters": {"hidden": 7, "lr": 0.3}}, lightning)
+    assert Child.load_from_checkpoint(lightning).hidden == 7
 
 
 def test_outside_a_trainer():

@@ -12,7 +12,8 @@ A checkpoint is a plain dict that `torch.load(weights_only=True)` can read:
     callbacks        {callback.state_key: its state_dict()}
     loggers          {index: logger state_dict()}
     rng              one entry per global rank (python, numpy, torch, cuda)
-    hparams          the module's saved hyperparameters
+    hparams          the module's saved hyperparameters (also under Lightning's name, hyper_parameters)
+    epoch, global_step  Lightning's top-level counters (the same as loops' progress)
     hparams_repr     the hparams keys stored as their repr (values that are not plain data), which
                      load_from_checkpoint must be given again; absent from checkpoints written before it
 """
@@ -163,6 +164,8 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
     strategy = trainer.strategy
     checkpoint: dict[str, Any] = {
         "version": CHECKPOINT_VERSION,
+        # Lightning's top-level counters, for ported on_load_checkpoint code and tools (loops holds the rest).
+        "epoch": trainer.current_epoch, "global_step": trainer.global_step,
         "state_dict": strategy.model_state_dict(),
         "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -261,7 +264,8 @@ def _saved_hparams(trainer: Trainer) -> dict[str, Any]:
                 f"the hparams with save_hyperparameters(ignore=[{key!r}]).",
                 stacklevel=2,
             )
-    return {"hparams": hparams, "hparams_repr": repr_keys}
+    # `hyper_parameters` is Lightning's name for the same dict (pickled once), for ported on_load_checkpoint code.
+    return {"hparams": hparams, "hyper_parameters": hparams, "hparams_repr": repr_keys}
 
 
 def _rescale_epoch_position(trainer: Trainer, saved_size: int) -> None:

@@ -284,7 +284,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
                     f"{closest(key, parameters)}; it takes {', '.join(parameters) or 'no arguments'}."
                 )
         checkpoint = load_checkpoint_file(checkpoint_path, map_location=map_location)
-        saved = {key: value for key, value in checkpoint.get("hparams", {}).items() if takes_any or key in parameters}
+        saved = {key: value for key, value in checkpoint.get("hparams", checkpoint.get("hyper_parameters", {})).items() if takes_any or key in parameters}
         for key in checkpoint.get("hparams_repr", ()):  # older checkpoints do not record them
             if key in saved and key not in hparam_overrides:
                 raise MisconfigurationError(
