@@ -113,12 +113,13 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
 
 def saved_position(path: Path) -> tuple[int, int, int] | None:
     """How far the run had trained when `path` was saved (global step, epochs done, batches into the next),
-    read without reading its tensors; None for a file that does not load (loading it says why)."""
+    read without reading its tensors; None for a checkpoint that holds no position. A file that does not load
+    raises CheckpointError, saying why."""
+    progress = load_checkpoint_file(path, mmap=True).get("loops", {}).get("progress")
     try:
-        progress = load_checkpoint_file(path, mmap=True)["loops"]["progress"]
         done = bool(progress["epoch_done"])
         return int(progress["global_step"]), int(progress["epoch"]) + done, 0 if done else int(progress["epoch_batches"])
-    except (CheckpointError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         return None
 
 

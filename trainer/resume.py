@@ -77,22 +77,24 @@ class NewestCheckpoint:
     folder: Path
 
 
-def ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[Path]]:
+def ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[CheckpointError]]:
     """The *.ckpt files under `folders` that read, ordered by the position saved in them, furthest first (a
     file's time says nothing once a folder was copied or touched; at equal positions last.ckpt, then the
-    newest file), and those that do not read."""
+    newest file), and why each of those that do not read does not."""
     ranked: dict[Path, tuple[tuple[int, ...], bool, int, Path]] = {}
-    unreadable: dict[Path, Path] = {}
+    unreadable: dict[Path, CheckpointError] = {}
     for folder in folders:
         for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
             try:
                 modified = path.stat().st_mtime_ns
             except OSError:
                 continue  # removed while we looked (a top-k eviction)
-            position = saved_position(path)
-            if position is None:
-                unreadable[path.resolve()] = path
-            else:
+            try:
+                position = saved_position(path)
+            except CheckpointError as err:  # what is wrong with it, in the loader's words
+                unreadable[path.resolve()] = err
+                continue
+            if position is not None:
                 ranked[path.resolve()] = (position, path.stem.startswith("last"), modified, path)
     return [path for *_, path in sorted(ranked.values(), reverse=True)], list(unreadable.values())
 
@@ -102,8 +104,7 @@ def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict
     not load (it may have held later steps); every rank loads the choice."""
     choice, checkpoint = None, None
     if strategy.is_global_zero:
-        readable, unreadable = ranked_checkpoints(folders)
-        skipped: list[CheckpointError] = []
+        readable, skipped = ranked_checkpoints(folders)
         for path in readable:
             try:
                 checkpoint = strategy.load_checkpoint(path)
@@ -112,11 +113,6 @@ def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict
                 continue
             choice = str(path)
             break
-        for path in unreadable:
-            try:
-                strategy.load_checkpoint(path)
-            except CheckpointError as err:  # what is wrong with it, in the loader's words
-                skipped.append(err)
         for err in skipped:
             instead = f"resuming from {choice!r} instead" if choice else "no other checkpoint loads either"
             warnings.warn(f"{err} Skipped it: {instead}.", stacklevel=3)
