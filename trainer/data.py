@@ -326,30 +326,20 @@ def _timed_head(batches: Iterator[Any], window: int, report: Callable[[float, fl
         report(waited / (time.perf_counter() - started), waited / measured)
 
 
-def unsharded_batches(loader: DataLoader) -> int | None:
-    """How many batches `loader` had before `prepare_loader` gave this rank its slice of it; None where the
+def shard_batches(loader: DataLoader) -> tuple[int, list[int]] | None:
+    """(how many batches the loader had before `prepare_loader` sliced it into this rank's `loader`, each
+    data-parallel rank's batch count of its slice): every rank can work them all out alone. None where the
     loader was not sliced (every rank runs it whole)."""
     batch_sampler = loader.batch_sampler
     if isinstance(batch_sampler, ShardedSampler):  # a custom batch_sampler: whole batches were dealt out
-        return len(batch_sampler.sampler)  # type: ignore[arg-type]
-    sampler = getattr(batch_sampler, "sampler", None)
-    if not isinstance(sampler, ShardedSampler):
-        return None
-    return _batches_of(len(sampler.sampler), batch_sampler)  # type: ignore[arg-type]
-
-
-def shard_batches(loader: DataLoader) -> list[int] | None:
-    """Each data-parallel rank's batch count of the loader that `prepare_loader` sliced into this rank's
-    `loader` (every rank can work them all out alone); None where it did not slice it."""
-    batch_sampler = loader.batch_sampler
-    if isinstance(batch_sampler, ShardedSampler):
         whole, replicas = batch_sampler.sampler, batch_sampler.num_replicas
-        return [len(ShardedSampler(whole, replicas, rank)) for rank in range(replicas)]
+        return len(whole), [len(ShardedSampler(whole, replicas, rank)) for rank in range(replicas)]  # type: ignore[arg-type]
     sampler = getattr(batch_sampler, "sampler", None)
     if not isinstance(sampler, ShardedSampler):
         return None
-    return [_batches_of(len(ShardedSampler(sampler.sampler, sampler.num_replicas, rank)), batch_sampler)
-            for rank in range(sampler.num_replicas)]
+    whole, replicas = sampler.sampler, sampler.num_replicas
+    return (_batches_of(len(whole), batch_sampler),  # type: ignore[arg-type]
+            [_batches_of(len(ShardedSampler(whole, replicas, rank)), batch_sampler) for rank in range(replicas)])
 
 
 def _batches_of(samples: int, batch_sampler: BatchSampler) -> int:

@@ -23,7 +23,6 @@ from trainer.data import (
     set_epoch,
     shard_batches,
     skip_batches,
-    unsharded_batches,
 )
 from trainer.errors import MisconfigurationError
 from trainer.faults import StepGuard
@@ -327,9 +326,10 @@ def _check_every_rank_evaluates(loader: DataLoader, limit: int | float, hook: st
     """A clear error, on every rank alike, where some data-parallel rank's slice of `loader` holds no batch:
     that rank would never join the others' end-of-epoch reduction of what they logged, and they would wait
     for it until the collective timeout."""
-    counts = shard_batches(loader)
-    if counts is None:
+    sliced = shard_batches(loader)
+    if sliced is None:
         return
+    counts = sliced[1]
     limited = [batch_limit(loader, limit, count) for count in counts]
     if max(limited) > 0 and min(limited) == 0:
         idle = [rank for rank, count in enumerate(limited) if count == 0]
@@ -374,8 +374,8 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
     # predictions are one process's: each rank runs its share of them, and the merge keeps the first `kept`.
     kept: list[int | float | None] = []
     for loader in loaders:
-        whole = unsharded_batches(loader) if replicas > 1 else None
-        kept.append(None if whole is None else batch_limit(loader, limit, whole))
+        sliced = shard_batches(loader) if replicas > 1 else None
+        kept.append(None if sliced is None else batch_limit(loader, limit, sliced[0]))
     grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
     with grad_mode:
         for dataloader_idx, loader in enumerate(loaders):
