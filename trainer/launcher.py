@@ -247,9 +247,8 @@ def _refuse_unguarded_main(job_size: int) -> None:
         return  # called from an interactive session or `python -c`: nothing is re-imported
     path, line = frame.f_code.co_filename, frame.f_lineno
     del frame
-    try:
-        tree = ast.parse(Path(path).read_text())
-    except (OSError, SyntaxError, ValueError):
+    tree = _script_tree(path)
+    if tree is None:
         return
     for node in tree.body:
         if isinstance(node, ast.If) and _tests_dunder_name(node.test) and node.lineno <= line <= (node.end_lineno or line):
@@ -258,6 +257,14 @@ def _refuse_unguarded_main(job_size: int) -> None:
         f"{path}:{line} starts a {job_size}-process job at the top level of the script, but every worker process "
         f"re-imports the script; {GUARD_HINT}."
     )
+
+
+def _script_tree(path: str) -> ast.Module | None:
+    """The script's syntax tree; None when it cannot be read or parsed (the checks on it are then skipped)."""
+    try:
+        return ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
 
 
 def _tests_dunder_name(test: ast.expr) -> bool:
@@ -273,10 +280,7 @@ def _in_spawn_bootstrap() -> bool:
 def _names_bound_only_under_the_guard() -> tuple[str, set[str]]:
     """(the script's path, the classes and functions it defines only inside `if __name__ == "__main__":`)."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
-    try:
-        tree = ast.parse(Path(path).read_text()) if path else None
-    except (OSError, SyntaxError, ValueError):
-        tree = None
+    tree = _script_tree(path) if path else None
     if tree is None:
         return "", set()
     guarded = [node for node in tree.body if isinstance(node, ast.If) and _tests_dunder_name(node.test)]
