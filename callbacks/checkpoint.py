@@ -118,8 +118,7 @@ class ModelCheckpoint(Callback):
     def _score_is_current(self, trainer: Trainer) -> bool:
         """False at an epoch end that no validation preceded, in a fit that validates (check_val_every_n_epoch > 1,
         a stop mid-epoch): the monitored value would be an older validation's, so the checkpoint is not ranked."""
-        validates = bool(trainer.val_dataloaders) and trainer.config.limit_val_batches != 0
-        return self.monitor is None or not validates or self._validated_step == trainer.global_step
+        return self.monitor is None or not trainer.val_dataloaders or self._validated_step == trainer.global_step
 
     def _epoch_due(self, trainer: Trainer) -> bool:
         return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0

@@ -36,7 +36,7 @@ class LearningRateMonitor(Callback):
             )
         self.logging_interval, self.log_momentum, self.log_weight_decay = logging_interval, log_momentum, log_weight_decay
         self._names: list[list[str]] = []  # per optimizer, per parameter group
-        self._interval_of: list[str] = []  # per optimizer: "step" | "epoch"
+        self._interval_of: list[str] = []  # per optimizer: "step" | "epoch" | "any"
         self._last_logged_step = -1
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:

@@ -102,11 +102,13 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     if num_batches == 0:
         raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
     trainer.train_dataloader, trainer.num_training_batches = train_loader, num_batches
+    if config.limit_val_batches == 0:
+        val_loaders = []  # validation turned off, sanity check included, as in Lightning
     trainer.val_dataloaders = val_loaders
     val_every = _val_every(config.val_check_interval, num_batches)
     step_limit = config.max_steps if config.max_steps != -1 else math.inf
 
-    if config.num_sanity_val_steps and val_loaders and config.limit_val_batches != 0 and progress.global_step == 0:
+    if config.num_sanity_val_steps and val_loaders and progress.global_step == 0:
         limit = config.limit_val_batches  # -1: all the batches a validation runs
         if config.num_sanity_val_steps > 0:
             limit = min(config.num_sanity_val_steps, limit) if isinstance(limit, int) else config.num_sanity_val_steps
@@ -264,7 +266,7 @@ def _validate_mid_epoch(trainer: Trainer, val_loaders: list[DataLoader]) -> None
 
 def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
     config = trainer.config
-    if not val_loaders or config.limit_val_batches == 0 or (trainer.progress.epoch + 1) % config.check_val_every_n_epoch:
+    if not val_loaders or (trainer.progress.epoch + 1) % config.check_val_every_n_epoch:
         return
     evaluation_loop(trainer, "validate", val_loaders, limit=config.limit_val_batches)
     trainer.module.train()

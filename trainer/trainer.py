@@ -76,7 +76,7 @@ class Trainer:
         self.sanity_checking = False
         self.stage: str | None = None
         self.train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
-        self.val_dataloaders: list[DataLoader] = []  # and its validation loaders
+        self.val_dataloaders: list[DataLoader] = []  # and the validation loaders it validates on (none: off)
         self.num_training_batches = 0
         #: (share of the time, seconds a batch) the fit waited for training batches, measured on its first ones.
         self.data_wait: tuple[float, float] | None = None
