@@ -14,7 +14,7 @@ from typing import Any
 from trainer.errors import MisconfigurationError, closest
 from trainer.faults import NONFINITE_MODES
 from trainer.logging import Logger
-from trainer.optim import LR_SCALINGS
+from trainer.optim import CLIP_ALGORITHMS, LR_SCALINGS
 from trainer.precision import PRECISIONS
 
 
@@ -118,7 +118,7 @@ def validate(config: TrainerConfig) -> None:
           f"nonfinite_loss={config.nonfinite_loss!r} is not known; use one of {', '.join(NONFINITE_MODES)}.")
     _need(str(config.precision) in PRECISIONS, f"precision={config.precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
     config.precision = str(config.precision)
-    _need(config.gradient_clip_algorithm in ("norm", "value"),
+    _need(config.gradient_clip_algorithm in CLIP_ALGORITHMS,
           f"gradient_clip_algorithm={config.gradient_clip_algorithm!r}; use 'norm' or 'value'.")
     _need(config.gradient_clip_val is None or (isinstance(config.gradient_clip_val, (int, float)) and config.gradient_clip_val > 0),
           f"gradient_clip_val={config.gradient_clip_val!r} must be a positive number or unset.")

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from trainer.errors import CheckpointError, MisconfigurationError, closest
+from trainer.optim import CLIP_ALGORITHMS
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -244,7 +245,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         if gradient_clip_val is None:
             return
         algorithm = gradient_clip_algorithm or "norm"
-        if algorithm not in ("norm", "value"):
+        if algorithm not in CLIP_ALGORITHMS:
             raise MisconfigurationError(f"gradient_clip_algorithm={algorithm!r}; use 'norm' or 'value'.")
         self.trainer.strategy.clip_gradients(getattr(optimizer, "optimizer", optimizer), float(gradient_clip_val), algorithm)
 

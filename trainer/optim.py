@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from trainer.errors import MisconfigurationError
 
+CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 
