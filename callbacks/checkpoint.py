@@ -30,8 +30,10 @@ class ModelCheckpoint(Callback):
     when a top-k file was written at the same step it is a second name for that file (a hard link).
     `filename` is a template holding `{epoch}`, `{step}` and logged metrics with optional format specs:
     `"{epoch}-{val/acc:.4f}"` gives `epoch=3-val_acc=0.9123.ckpt` ('/' becomes '_'; `name=` is inserted
-    unless auto_insert_metric_name=False). A name already taken gets `-v1`, `-v2`, ... A non-finite
-    monitored value is never saved as a top-k one.
+    unless auto_insert_metric_name=False). A name already taken gets `-v1`, `-v2`, ... (with
+    enable_version_counter=False it is overwritten instead). A non-finite monitored value is never saved as
+    a top-k one. `save_weights_only` writes the weights and hparams alone: smaller files that evaluate and
+    load, but that no fit can resume from.
     """
 
     monitors = True
@@ -42,7 +44,8 @@ class ModelCheckpoint(Callback):
     def __init__(self, dirpath: str | Path | None = None, filename: str | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool | None = None,
                  every_n_epochs: int | None = None, every_n_train_steps: int | None = None,
-                 verbose: bool = False, auto_insert_metric_name: bool = True) -> None:
+                 verbose: bool = False, auto_insert_metric_name: bool = True, save_weights_only: bool = False,
+                 enable_version_counter: bool = True) -> None:
         if mode not in ("min", "max"):
             raise MisconfigurationError(f"ModelCheckpoint(mode={mode!r}) is not known; use 'min' or 'max'.")
         if not isinstance(save_top_k, int) or save_top_k < -1:
@@ -62,6 +65,7 @@ class ModelCheckpoint(Callback):
         self.every_n_train_steps = every_n_train_steps or 0
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if self.every_n_train_steps else 1)
         self.verbose, self.auto_insert_metric_name = verbose, auto_insert_metric_name
+        self.save_weights_only, self.enable_version_counter = save_weights_only, enable_version_counter
         self.best_k_models: dict[str, torch.Tensor] = {}
         self.best_model_path, self.kth_best_model_path, self.last_model_path = "", "", ""
         self.best_model_score: torch.Tensor | None = None
@@ -139,7 +143,7 @@ class ModelCheckpoint(Callback):
             if written is not None:  # the same state: a second name for that file, not a second write
                 trainer.strategy.link_checkpoint(written, self.last_model_path)
             else:
-                trainer.save_checkpoint(self.last_model_path)
+                trainer.save_checkpoint(self.last_model_path, weights_only=self.save_weights_only)
             if previous_last and previous_last != self.last_model_path:
                 trainer.strategy.remove_checkpoint(previous_last)
 
@@ -195,13 +199,14 @@ class ModelCheckpoint(Callback):
         self._rank()
         if self.monitor is not None:
             self._say(trainer, values, f"{self.monitor!r} reached {score:.5g} (best {float(self.best_model_score):.5g}), saving {path}")
-        trainer.save_checkpoint(path)  # the bookkeeping above is part of this checkpoint
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only)  # the bookkeeping above is part of it
         for old in evicted:
             trainer.strategy.remove_checkpoint(old)
         return path
 
     def _free_path(self, trainer: Trainer, template: str, values: dict[str, Any], reusable: str) -> str:
-        """`<dirpath>/<name>.ckpt`, or `<name>-v1.ckpt`, ... when the name is taken (by us or by another file)."""
+        """`<dirpath>/<name>.ckpt`, or `<name>-v1.ckpt`, ... when the name is taken (by us or by another file) and
+        enable_version_counter is on."""
         path = None
         if trainer.is_global_zero:
             name = self.format_checkpoint_name(values, template)[: -len(self.FILE_EXTENSION)]
@@ -210,7 +215,7 @@ class ModelCheckpoint(Callback):
                 suffix = f"-v{version}" if version else ""
                 path = str(Path(self.dirpath or ".") / f"{name}{suffix}{self.FILE_EXTENSION}")
                 taken = path in self.best_k_models or path == self.last_model_path or Path(path).exists()
-                if path == reusable or not taken:
+                if path == reusable or not taken or not self.enable_version_counter:
                     break
                 version += 1
         return trainer.strategy.broadcast(path)

@@ -30,7 +30,7 @@ from callbacks import (
 )
 from callbacks.timer import parse_duration
 from trainer import Trainer, TrainModule
-from trainer.errors import MisconfigurationError
+from trainer.errors import CheckpointError, MisconfigurationError
 
 BATCHES_PER_EPOCH = 4
 
@@ -246,6 +246,40 @@ def test_name_collisions_get_version_suffixes(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="fixed", save_top_k=-1)
     make_trainer(tmp_path, [checkpoint], max_epochs=3).fit(Scripted(), *loaders())
     assert checkpoint_names(tmp_path / "ckpts") == {"fixed.ckpt", "fixed-v1.ckpt", "fixed-v2.ckpt"}
+
+
+def test_without_version_counter_a_taken_name_is_overwritten(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="fixed", save_top_k=-1, enable_version_counter=False)
+    module = Scripted()
+    make_trainer(tmp_path, [checkpoint], max_epochs=3).fit(module, *loaders())
+    assert checkpoint_names(tmp_path / "ckpts") == {"fixed.ckpt"}
+    saved = load(tmp_path / "ckpts" / "fixed.ckpt")
+    assert saved["loops"]["progress"]["epoch"] == 2  # the last epoch's save replaced the others
+    assert torch.equal(saved["state_dict"]["layer.weight"], module.layer.weight)
+    assert list(checkpoint.best_k_models) == [str(tmp_path / "ckpts" / "fixed.ckpt")]
+
+
+def test_weights_only_checkpoints_evaluate_and_load_but_do_not_resume(tmp_path):
+    checkpoint = ModelCheckpoint(monitor="val/score", save_top_k=1, save_last=True, save_weights_only=True)
+    module = Scripted([0.3, 0.1, 0.2])
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=3)
+    trainer.fit(module, *loaders())
+    best, last = load(checkpoint.best_model_path), load(checkpoint.last_model_path)
+    assert Path(checkpoint.best_model_path).name == "epoch=1-step=8.ckpt"
+    for saved in (best, last):
+        assert not {"optimizer_states", "loops", "callbacks", "rng"} & saved.keys()
+        assert saved["state_dict"].keys() == module.state_dict().keys()
+    assert last["global_step"] == 12 and torch.equal(last["state_dict"]["layer.weight"], module.layer.weight)
+    assert best["epoch"] == 1 and not torch.equal(best["state_dict"]["layer.weight"], module.layer.weight)
+
+    trainer.test(module, loaders()[1], ckpt_path="best")  # evaluation needs the weights alone
+    assert torch.equal(module.layer.weight, best["state_dict"]["layer.weight"])
+    assert torch.equal(Scripted.load_from_checkpoint(checkpoint.last_model_path).layer.weight, last["state_dict"]["layer.weight"])
+
+    with pytest.raises(CheckpointError, match="holds only the model's weights .* a fit cannot resume from it"):
+        make_trainer(tmp_path, max_epochs=4).fit(Scripted([0.3] * 4), *loaders(), ckpt_path=checkpoint.last_model_path)
+    with pytest.raises(CheckpointError, match='ckpt_path="last": no checkpoint in .* can be resumed from'):
+        make_trainer(tmp_path, max_epochs=4).fit(Scripted([0.3] * 4), *loaders(), ckpt_path="last")
 
 
 def test_format_checkpoint_name():

@@ -74,7 +74,7 @@ BAD_INPUTS = [
     (["good.yaml", "trainer.seed=abc"], "seed='abc' must be an integer or unset"),
     (["good.yaml", "trainer.devices=0"], "devices=0 must be at least 1"),
     (["good.yaml", "trainer.max_epochs=-2"], "max_epochs=-2 must be an integer >= -1"),
-    (["good.yaml", "trainer.precision=64"], "precision='64' is not known; use one of 32, bf16-mixed, 16-mixed"),
+    (["good.yaml", "trainer.precision=8"], "precision='8' is not known; use one of 32, bf16-mixed, 16-mixed"),
     (["good.yaml", "trainer.strategy=nosuch"], "strategy='nosuch' is not known"),
     (["good.yaml", "model.class_path=recipes.digitz.DigitsCNN"], "no module named 'recipes.digitz'"),
     (["good.yaml", "model.class_path=recipes.digits.DigitCNN"], "has no 'DigitCNN' (did you mean 'DigitsCNN'?)"),

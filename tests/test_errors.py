@@ -96,6 +96,19 @@ def test_fp16_mixed_on_cpu():
         Trainer(precision="8")
 
 
+@pytest.mark.parametrize("spelling, name", [(32, "32"), ("32-true", "32"), ("bf16", "bf16-mixed"), ("bf16-mixed", "bf16-mixed")])
+def test_lightning_spellings_of_precision(spelling, name):
+    assert Trainer(precision=spelling, accelerator="cpu").config.precision == name
+
+
+@pytest.mark.parametrize("spelling, advice", [(16, "'16-mixed' is not supported on CPU"),
+                                               ("bf16-true", r"the whole model in bf16\) is not supported; use 'bf16-mixed'"),
+                                               (64, r"the whole model in 64\) is not supported; use precision='32' with")])
+def test_precisions_this_framework_lacks_say_what_to_use(spelling, advice):
+    with pytest.raises(MisconfigurationError, match=advice):
+        Trainer(precision=spelling, accelerator="cpu")
+
+
 def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(MisconfigurationError, match=r"strategy='horovod' is not known.*known strategies: .*single"):
         Trainer(strategy="horovod")

@@ -14,6 +14,8 @@ A checkpoint is a plain dict that `torch.load(weights_only=True)` can read:
     rng              one entry per global rank (python, numpy, torch, cuda)
     hparams          the module's saved hyperparameters (also under Lightning's name, hyper_parameters)
     epoch, global_step  Lightning's top-level counters (the same as loops' progress)
+A weights-only checkpoint (`save_checkpoint(path, weights_only=True)`) holds version, epoch, global_step,
+state_dict and the hparams: enough to evaluate or load the model, not to resume a fit.
     hparams_repr     the hparams keys stored as their repr (values that are not plain data), which
                      load_from_checkpoint must be given again; absent from checkpoints written before it
 """
@@ -159,8 +161,12 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor], prefixes: tuple[str, ...
 # --------------------------------------------------------------------------- what a checkpoint holds
 
 
-def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
-    """The checkpoint dict of the format above. A collective (gathers RNG states): call on every rank."""
+def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
+    """The checkpoint dict of the format above. A collective (gathers RNG states): call on every rank.
+
+    `weights_only`: version, epoch, global_step, state_dict and the hparams, what load_from_checkpoint and the
+    evaluation stages need; a fit cannot resume from it (as in Lightning, callbacks add nothing to it).
+    """
     assert trainer.module is not None
     strategy = trainer.strategy
     checkpoint: dict[str, Any] = {
@@ -168,6 +174,21 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         # Lightning's top-level counters, for ported on_load_checkpoint code and tools (loops holds the rest).
         "epoch": trainer.current_epoch, "global_step": trainer.global_step,
         "state_dict": strategy.model_state_dict(),
+        **_saved_hparams(trainer),
+    }
+    if not weights_only:
+        checkpoint.update(_training_state(trainer))
+    trainer.module.on_save_checkpoint(checkpoint)
+    if not weights_only:
+        for callback in trainer.callbacks:
+            callback.on_save_checkpoint(trainer, trainer.module, checkpoint)
+    return checkpoint
+
+
+def _training_state(trainer: Trainer) -> dict[str, Any]:
+    """What a resume needs beyond the weights. A collective, like build_checkpoint."""
+    strategy = trainer.strategy
+    return {
         "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": strategy.precision.state_dict(),
@@ -184,18 +205,19 @@ def build_checkpoint(trainer: Trainer) -> dict[str, Any]:
         # The step tells a resumed logger which of the rows logged after the checkpoint to keep.
         "loggers": [{**logger.state_dict(), "step": trainer.progress.batches_stepped} for logger in trainer.loggers],
         "rng": strategy.all_gather_object(rng_state()),
-        **_saved_hparams(trainer),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
     }
-    trainer.module.on_save_checkpoint(checkpoint)
-    for callback in trainer.callbacks:
-        callback.on_save_checkpoint(trainer, trainer.module, checkpoint)
-    return checkpoint
 
 
 def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool) -> None:
     """Load the weights; with `full` (fit), also optimizers, schedulers, counters, callbacks, RNG: a resume."""
     assert trainer.module is not None
+    if full and "optimizer_states" not in checkpoint:
+        raise CheckpointError(
+            "this checkpoint holds only the model's weights (saved with weights_only=True, as "
+            "ModelCheckpoint(save_weights_only=True) does), so a fit cannot resume from it; pass it to "
+            "validate/test/predict or Net.load_from_checkpoint, or save full checkpoints to resume from."
+        )
     trainer.module.on_load_checkpoint(checkpoint)
     for callback in trainer.callbacks:
         callback.on_load_checkpoint(trainer, trainer.module, checkpoint)

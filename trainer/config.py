@@ -15,7 +15,7 @@ from trainer.errors import MisconfigurationError, closest
 from trainer.faults import NONFINITE_MODES
 from trainer.logging import Logger
 from trainer.optim import CLIP_ALGORITHMS, LR_SCALINGS
-from trainer.precision import PRECISIONS
+from trainer.precision import PRECISIONS, precision_name
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -36,13 +36,14 @@ class TrainerConfig:
     limit_test_batches: Any = _opt(1.0, "Batches per test run (per process): a fraction (float) or a count (int).")
     limit_predict_batches: Any = _opt(1.0, "Batches per predict run, of the loader as one process sees it (the "
                                       "predictions are one process's): a fraction (float) or a count (int).")
-    val_check_interval: Any = _opt(1.0, "Validate every this fraction of an epoch (float) or this many batches (int).")
+    val_check_interval: Any = _opt(1.0, "Validate every this fraction of an epoch (float) or this many batches (int), "
+                                   "and at each epoch's end (unlike Lightning, whose epoch end then validates only on a multiple).")
     check_val_every_n_epoch: int = _opt(1, "Validate after every n-th training epoch.")
     num_sanity_val_steps: int = _opt(2, "Validation batches run before training to catch bugs early; -1 for all.")
     accumulate_grad_batches: int = _opt(1, "Micro-batches whose gradients add up before one optimizer step.")
     gradient_clip_val: Any = _opt(None, "Clip gradients at this value (unset: no clipping).")
     gradient_clip_algorithm: str = _opt("norm", "'norm' (global L2 norm) or 'value' (element-wise).")
-    precision: str = _opt("32", f"One of {', '.join(PRECISIONS)}.")
+    precision: str = _opt("32", f"One of {', '.join(PRECISIONS)} (Lightning's spellings '32-true', '16' and 'bf16' are taken as those).")
     seed: Any = _opt(None, "Seed python, numpy and torch on every rank; also seeds the data order (default order seed 0).")
     deterministic: bool = _opt(False, "Ask torch for deterministic algorithms.")
     default_root_dir: str = _opt("runs", "Runs land in <default_root_dir>/<name>/version_<n>/.")
@@ -116,8 +117,7 @@ def validate(config: TrainerConfig) -> None:
     _need(config.max_restarts >= 0, f"max_restarts={config.max_restarts} must be >= 0.")
     _need(config.nonfinite_loss in NONFINITE_MODES,
           f"nonfinite_loss={config.nonfinite_loss!r} is not known; use one of {', '.join(NONFINITE_MODES)}.")
-    _need(str(config.precision) in PRECISIONS, f"precision={config.precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
-    config.precision = str(config.precision)
+    config.precision = precision_name(config.precision)
     _need(config.gradient_clip_algorithm in CLIP_ALGORITHMS,
           f"gradient_clip_algorithm={config.gradient_clip_algorithm!r}; use 'norm' or 'value'.")
     _need(config.gradient_clip_val is None or (isinstance(config.gradient_clip_val, (int, float)) and config.gradient_clip_val > 0),

@@ -11,13 +11,31 @@ from trainer.errors import MisconfigurationError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
+# Lightning's other spellings of the same three, so that a ported Trainer(precision=...) keeps working.
+PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+# Lightning's whole-model precisions (weights and optimizer state in that dtype), with what to use instead.
+UNSUPPORTED_PRECISIONS = {
+    "16-true": "'16-mixed', which keeps float32 weights and optimizer state",
+    "bf16-true": "'bf16-mixed', which keeps float32 weights and optimizer state",
+    "64-true": "precision='32' with the module cast by you (module.double()) and float64 data",
+}
+
+
+def precision_name(precision: Any) -> str:
+    """The canonical name of `precision` (Lightning's spellings too: 32, "32-true", 16, "bf16"), or a clear
+    error when it names none of PRECISIONS."""
+    name = PRECISION_ALIASES.get(str(precision), str(precision))
+    if name in PRECISIONS:
+        return name
+    if name in UNSUPPORTED_PRECISIONS:
+        raise MisconfigurationError(
+            f"precision={precision!r} (the whole model in {name[:-5]}) is not supported; use {UNSUPPORTED_PRECISIONS[name]}.")
+    raise MisconfigurationError(f"precision={precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
 
 
 def validate_precision(precision: str, device_type: str) -> str:
-    """The precision name, or a clear error when it is unknown or not supported on `device_type`."""
-    precision = str(precision)
-    if precision not in PRECISIONS:
-        raise MisconfigurationError(f"precision={precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
+    """The canonical precision name, or a clear error when it is unknown or not supported on `device_type`."""
+    precision = precision_name(precision)
     if precision == "16-mixed" and device_type == "cpu":
         raise MisconfigurationError(
             "precision='16-mixed' is not supported on CPU (fp16 autocast there is slow and unscaled); "

@@ -132,7 +132,9 @@ def load_resume_checkpoint(strategy: Strategy, ckpt: Path | NewestCheckpoint | N
         return strategy.load_checkpoint(ckpt)
     found = load_newest(strategy, [ckpt.folder])
     if found is None:
-        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be read (see the warnings above).')
+        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be resumed from: those that '
+                              "do not read are warned about above, and weights-only ones (save_weights_only=True) "
+                              "hold no training state.")
     return found[1]
 
 

@@ -544,8 +544,9 @@ class Trainer:
                   f" -> {rates}{warmup}")
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Write a resumable checkpoint (call on every rank; the strategy decides who writes)."""
+    def save_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
+        """Write a resumable checkpoint, or with `weights_only` one of the weights and hparams alone (call on
+        every rank; the strategy decides who writes)."""
         if self.strategy.module is None:
             last = getattr(self.checkpoint_callback, "last_model_path", "")
             raise MisconfigurationError(
@@ -562,11 +563,11 @@ class Trainer:
         if self.is_global_zero:
             for logger in self.loggers:
                 logger.save()  # the file must hold every row the checkpoint counts
-        self.strategy.save_checkpoint(self.checkpoint_state(), path)
+        self.strategy.save_checkpoint(self.checkpoint_state(weights_only), path)
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, weights_only: bool = False) -> dict[str, Any]:
         """The checkpoint dict (format: trainer/checkpoint.py). A collective: call on every rank."""
-        return build_checkpoint(self)
+        return build_checkpoint(self, weights_only)
 
 
 # `help(Trainer)` and IDEs show every option, from the one dataclass that defines them.
