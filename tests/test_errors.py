@@ -150,7 +150,7 @@ def test_out_of_range_options(options, message):
 def test_fit_inputs():
     with pytest.raises(MisconfigurationError, match="Trainer.fit needs a TrainModule; got Linear"):
         Trainer(**QUIET).fit(nn.Linear(2, 1), loader())
-    with pytest.raises(MisconfigurationError, match="Trainer.fit needs dataloaders or a datamodule"):
+    with pytest.raises(MisconfigurationError, match=r"Trainer.fit needs dataloaders, a datamodule, or a Tiny.train_dataloader\(\)"):
         Trainer(**QUIET).fit(Tiny())
     with pytest.raises(MisconfigurationError, match="train_dataloaders must be a DataLoader or a list of them, got TensorDataset"):
         Trainer(**QUIET).fit(Tiny(), TensorDataset(torch.randn(4, 2)))

@@ -268,6 +268,66 @@ def test_datamodule_hook_order():
     assert datamodule.calls == ["prepare_data", "setup:test", "test_dataloader", "teardown:test"]
 
 
+class OwnData(Counting):
+    """A LightningModule-style module that brings its own data; records its data hooks in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data_calls: list[str] = []
+
+    def prepare_data(self):
+        self.data_calls.append("prepare_data")
+
+    def setup(self, stage):
+        self.data_calls.append(f"setup:{stage}")
+
+    def train_dataloader(self):
+        self.data_calls.append("train_dataloader")
+        return loader(samples=16)
+
+    def val_dataloader(self):
+        self.data_calls.append("val_dataloader")
+        return loader(samples=8)
+
+    def test_dataloader(self):
+        self.data_calls.append("test_dataloader")
+        return loader(samples=12)
+
+    def predict_dataloader(self):
+        self.data_calls.append("predict_dataloader")
+        return loader(samples=4)
+
+
+def test_a_module_that_brings_its_own_dataloaders_runs_every_stage_on_them():
+    module, given = OwnData(), Counting()
+    given.load_state_dict(module.state_dict())
+    trainer = Trainer(max_epochs=2, num_sanity_val_steps=0, **QUIET)
+    trainer.fit(module)
+    assert module.data_calls == ["prepare_data", "setup:fit", "train_dataloader", "val_dataloader"]
+    assert module.calls["train"] == 2 * 4 and module.calls["val"] == 2 * 2
+    # The same loaders passed in train the same weights.
+    Trainer(max_epochs=2, num_sanity_val_steps=0, **QUIET).fit(given, loader(samples=16), loader(samples=8))
+    assert torch.equal(module.layer.weight, given.layer.weight)
+
+    module.data_calls.clear()
+    trainer.test(module)
+    trainer.predict(module)
+    assert module.data_calls == ["prepare_data", "setup:test", "test_dataloader",
+                                 "prepare_data", "setup:predict", "predict_dataloader"]
+    assert module.calls["test"] == 3 and module.calls["predict"] == 1
+
+    # Loaders passed in win; the one not passed (validation) still comes from the module, as in Lightning.
+    module.data_calls.clear()
+    Trainer(max_epochs=1, num_sanity_val_steps=0, **QUIET).fit(module, loader(samples=4))
+    assert module.data_calls == ["prepare_data", "setup:fit", "val_dataloader"]
+    # A datamodule wins over the module's own loaders.
+    module.data_calls.clear()
+    datamodule = RecordingDataModule()
+    Trainer(max_epochs=1, **QUIET).fit(module, datamodule=datamodule)
+    assert datamodule.calls[:3] == ["prepare_data", "setup:fit", "train_dataloader"]
+    assert module.data_calls == ["prepare_data", "setup:fit"]  # after the datamodule's, as in Lightning
+
+
 class Recorder(Callback):
     def __init__(self) -> None:
         self.calls: list[str] = []

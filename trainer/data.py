@@ -25,7 +25,7 @@ from torch.utils.data import (
 
 from trainer.environment import usable_cores
 from trainer.errors import MisconfigurationError
-from trainer.module import HyperparametersMixin
+from trainer.module import HyperparametersMixin, TrainModule
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
@@ -419,21 +419,36 @@ STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test"
 _LOADER_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
-def stage_loaders(strategy: Strategy, stage: str, datamodule: DataModule | None, loaders: tuple[Any, ...],
-                  seed: int, datamodule_state: dict[str, Any] | None = None) -> list[DataLoader]:
-    """The stage's loaders (for fit: training first, then validation), from `loaders` or the datamodule, each
-    prepared for this rank by `strategy`. A checkpoint's `datamodule_state` is loaded after the datamodule's
-    setup and before it builds the loaders, which may depend on it, as in Lightning. Rank 0 warns about
-    workers that the node's processes start together beyond its cores."""
-    if datamodule is not None:
-        if strategy.local_rank == 0:
-            datamodule.prepare_data()
+def own_loader(module: TrainModule, name: str) -> Callable[[], Any] | None:
+    """The module's own `name` hook (train_dataloader, ...), where it defines one, as a LightningModule may."""
+    return getattr(module, name) if callable(getattr(type(module), name, None)) else None
+
+
+def stage_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodule: DataModule | None,
+                  loaders: tuple[Any, ...], seed: int, datamodule_state: dict[str, Any] | None = None) -> list[DataLoader]:
+    """The stage's data, in Lightning's order: prepare_data (once per node), the datamodule's setup, then the
+    module's, then the loaders (for fit: training first, then validation) from `loaders`, else the datamodule,
+    else the module's own hooks, each prepared for this rank by `strategy`. A checkpoint's `datamodule_state`
+    is loaded after the datamodule's setup and before it builds the loaders, which may depend on it. Rank 0
+    warns about workers that the node's processes start together beyond its cores."""
+    preparers = [owner.prepare_data for owner in (datamodule, module)
+                 if owner is not None and type(owner).prepare_data not in (DataModule.prepare_data, TrainModule.prepare_data)]
+    if preparers:  # every rank sees the same classes, so all of them wait here or none does
+        for prepare_data in preparers if strategy.local_rank == 0 else ():
+            prepare_data()
         strategy.barrier("prepare_data")
+    if datamodule is not None:
         datamodule.setup(stage)
         if datamodule_state is not None:
             datamodule.load_state_dict(datamodule_state)
-        names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
+    module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
+    names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
+    if datamodule is not None:
         loaders = tuple(getattr(datamodule, name)() for name in names)
+    else:
+        hooks = [own_loader(module, name) for name in names]
+        loaders = tuple(loader if loader is not None or hook is None else hook()
+                        for loader, hook in itertools.zip_longest(loaders, hooks))
     if stage == "fit":
         train = as_loader_list(loaders[0], "train_dataloaders")
         if len(train) != 1:

@@ -71,7 +71,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
     """Subclass this: define training_step and configure_optimizers; the other hooks are optional.
 
     Hook names, `self.log`, `self.hparams`, manual optimization and `load_from_checkpoint` follow
-    LightningModule, so a LightningModule ports by changing its import and base class.
+    LightningModule, so a LightningModule ports by changing its import and base class. As there, it may
+    also define its own data: `prepare_data()` and `train_dataloader()`, `val_dataloader()`,
+    `test_dataloader()`, `predict_dataloader()`, which a stage uses for the loaders it is not given.
     """
 
     #: Set to False to call `self.optimizers()`, `self.manual_backward()` and `opt.step()` yourself.
@@ -142,6 +144,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
     def on_predict_epoch_end(self) -> None: ...
     def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
     def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+
+    def prepare_data(self) -> None:
+        """Download or write files; runs on local rank 0 only, after the datamodule's and before any `setup`."""
 
     def setup(self, stage: str) -> None:
         """Called at the start of each stage ("fit", "validate", "test", "predict") in every process, after the

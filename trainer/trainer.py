@@ -18,7 +18,7 @@ from callbacks.base import Callback
 from trainer import faults
 from trainer.checkpoint import build_checkpoint, restore_checkpoint
 from trainer.config import TrainerConfig, make_config, save_run_config
-from trainer.data import DataModule, stage_loaders
+from trainer.data import STAGE_LOADERS, DataModule, own_loader, stage_loaders
 from trainer.errors import MisconfigurationError
 from trainer.logging import (
     CSVLogger,
@@ -374,8 +374,9 @@ class Trainer:
             self._check_manual_optimization(type(module).__name__)
         if datamodule is not None and loaders is not None:
             raise MisconfigurationError(f"Trainer.{stage}: pass either dataloaders or a datamodule, not both.")
-        if datamodule is None and loaders is None:
-            raise MisconfigurationError(f"Trainer.{stage} needs dataloaders or a datamodule.")
+        if datamodule is None and loaders is None and own_loader(module, STAGE_LOADERS[stage]) is None:
+            raise MisconfigurationError(
+                f"Trainer.{stage} needs dataloaders, a datamodule, or a {type(module).__name__}.{STAGE_LOADERS[stage]}().")
         if datamodule is not None and not isinstance(datamodule, DataModule):
             raise MisconfigurationError(f"datamodule must be a DataModule; got {type(datamodule).__name__}.")
 
@@ -434,9 +435,8 @@ class Trainer:
         try:
             checkpoint = load_resume_checkpoint(strategy, ckpt)
             self._setup_loggers(checkpoint if stage == "fit" else None)
-            prepared = stage_loaders(strategy, stage, datamodule, loaders, self.config.seed or 0,
+            prepared = stage_loaders(strategy, stage, module, datamodule, loaders, self.config.seed or 0,
                                      checkpoint.get("datamodule") if checkpoint is not None else None)
-            module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
             strategy.setup_module(module)
             if stage == "fit":
                 self._setup_optimizers(module)
