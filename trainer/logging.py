@@ -234,6 +234,21 @@ def next_version(save_dir: str | Path, name: str) -> int:
     return max(taken, default=-1) + 1
 
 
+RUN_ID_FILE = ".elastic_run_id"  # in a version folder: the torchrun job whose attempts all write there
+
+
+def version_of_job(save_dir: str | Path, name: str, run_id: str) -> int | str | None:
+    """The version under `<save_dir>/<name>` whose folder an earlier attempt of torchrun job `run_id` marked."""
+    for folder in (Path(save_dir) / name).glob("*/" + RUN_ID_FILE):
+        try:
+            if folder.read_text().strip() == run_id:
+                number = re.fullmatch(r"version_(\d+)", folder.parent.name)
+                return int(number.group(1)) if number else folder.parent.name
+        except OSError:
+            continue
+    return None
+
+
 def run_folder(save_dir: str | Path, name: str) -> str:
     """Where runs of this name are numbered, as checkpoints record it: a resume continues a run's version
     only in the same place, so a checkpoint taken from another run never writes into this one's folder."""
@@ -262,6 +277,11 @@ class Logger:
     @version.setter
     def version(self, value: int | str) -> None:
         self._version = value
+
+    @property
+    def version_chosen(self) -> bool:
+        """Whether the version is set (given, restored or numbered) rather than still to be numbered."""
+        return self._version is not None
 
     @property
     def log_dir(self) -> Path:

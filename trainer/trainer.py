@@ -21,6 +21,7 @@ from trainer.config import TrainerConfig, make_config, save_run_config
 from trainer.data import STAGE_LOADERS, DataModule, own_loader, stage_loaders
 from trainer.errors import MisconfigurationError
 from trainer.logging import (
+    RUN_ID_FILE,
     CSVLogger,
     Logger,
     MetricCollector,
@@ -29,6 +30,7 @@ from trainer.logging import (
     print_results_table,
     run_folder,
     version_folder,
+    version_of_job,
 )
 from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule
@@ -498,13 +500,26 @@ class Trainer:
             if index < len(saved) and logger.continues(saved[index]):
                 logger.load_state_dict(saved[index])  # resume in the same run folder, same rows
             else:
+                earlier = self._earlier_attempts_version(logger.save_dir, logger.name) if self.is_global_zero else None
+                if earlier is not None and not logger.version_chosen:
+                    logger.version = earlier
                 logger.version = self.strategy.broadcast(logger.version if self.is_global_zero else None)
         if not self.loggers:  # a resume continues in its run's folder, as loggers do through their state
             loops = (checkpoint or {}).get("loops", {})
             here = run_folder(self.config.default_root_dir, self.config.name)
             ours = "version" in loops and loops.get("folder", here) == here
+            if self.is_global_zero and getattr(self, "_version", None) is None:
+                self._version = self._earlier_attempts_version(self.config.default_root_dir, self.config.name)
             version = loops["version"] if ours else self._run_version() if self.is_global_zero else None
             self._version = self.strategy.broadcast(version)
+
+    def _earlier_attempts_version(self, save_dir: str | Path, name: str) -> int | str | None:
+        """After an elastic restart under torchrun, the version folder that the job's earlier attempts wrote to
+        (their checkpoints are there; a new folder would start the job over). None on a first attempt."""
+        environment = self.strategy.environment
+        if environment.restart_count == 0 or environment.run_id is None:
+            return None
+        return version_of_job(save_dir, name, environment.run_id)
 
     def _write_run_files(self) -> None:
         """hparams.yaml (through the loggers) and the recipe's config.yaml in the run folder. Written once the
@@ -515,6 +530,10 @@ class Trainer:
                 logger.log_hyperparams(hparams)
         if self.is_global_zero and self.run_config is not None and not self.config.fast_dev_run:
             save_run_config(self.log_dir / "config.yaml", self.run_config)
+        run_id = self.strategy.environment.run_id
+        if self.is_global_zero and run_id is not None and self.stage == "fit":  # found again by a restart
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            (self.log_dir / RUN_ID_FILE).write_text(run_id)
 
     def _logged_hparams(self) -> dict[str, Any]:
         """The module's hparams and the datamodule's, as in Lightning; a key both hold with different values is refused."""

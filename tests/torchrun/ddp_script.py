@@ -5,11 +5,13 @@
 mode 'train': fit; under torchrun or srun also validate (a second process group in the same processes)
 and write each rank's weights and val_loss to <out_dir>/rank<r>.pt; when the Trainer started the workers
 itself, the calling process writes its module's weights to <out_dir>/caller.pt. mode 'fail': the same,
-but rank 1 raises in its third training step.
+but rank 1 raises in its third training step. mode 'restart': checkpoints every step, and rank 1 raises in
+its third step of the first attempt only (for torchrun --max-restarts).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from callbacks import ModelCheckpoint
 from trainer import Trainer, TrainModule
 
 SEED, BATCH, EPOCHS, LR = 5, 4, 2, 0.1
@@ -78,11 +81,14 @@ def concatenated_reference(world_size: int = 2) -> dict[str, torch.Tensor]:
 
 
 def main(mode: str, out: Path, devices: int, num_nodes: int) -> None:
-    module = Line(fail_marker=str(out / "raised_at") if mode == "fail" else "")
+    restart = mode == "restart"
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    module = Line(fail_marker=str(out / "raised_at") if mode == "fail" or restart and first_attempt else "")
     module.load_state_dict(initial_state())
     trainer = Trainer(strategy="ddp", devices=devices, num_nodes=num_nodes, accelerator="cpu", max_epochs=EPOCHS,
-                      seed=SEED, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(out))
+                      seed=SEED, logger=False, enable_checkpointing=restart, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(out),
+                      callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)] if restart else [])
     loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
     trainer.fit(module, loader)
     if trainer.world_size == 1:  # the Trainer started the workers itself: this is the calling process

@@ -103,6 +103,18 @@ def test_a_rank_that_raises_under_torchrun_ends_the_job_within_seconds(tmp_path)
 
 
 @pytest.mark.timeout(180)
+def test_a_torchrun_restart_resumes_from_the_checkpoints_of_the_jobs_earlier_attempt(tmp_path):
+    agent = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", str(SCRIPT), "restart", str(tmp_path)]
+    [(code, output, _)] = launch([(agent, {})], tmp_path)
+    assert code == 0, output[-3000:]
+    assert (tmp_path / "raised_at").exists()  # the first attempt failed at its third step
+    # The restart continued the first attempt's run folder from its step-2 checkpoint, not from scratch.
+    assert "restart 1: resuming from" in output and "(global step 2)" in output, output[-3000:]
+    assert [p.name for p in (tmp_path / "default").iterdir()] == ["version_0"]
+    assert_trained_like_the_reference(load_rank(tmp_path, 0)["state_dict"])
+
+
+@pytest.mark.timeout(180)
 def test_python_script_starts_its_own_workers_and_gets_the_trained_module_back(tmp_path):
     [(code, output, _)] = launch([([sys.executable, str(SCRIPT), "train", str(tmp_path)], {})], tmp_path)
     assert code == 0, output[-3000:]
