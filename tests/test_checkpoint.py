@@ -212,6 +212,58 @@ def test_last_is_the_furthest_trained_checkpoint_whatever_the_files_times(tmp_pa
     assert counted.batches == 5 and resumed.global_step == 20  # one more epoch after the third, not three
 
 
+def test_last_means_last_ckpt_even_where_an_abandoned_branch_trained_further(tmp_path):
+    from callbacks import ModelCheckpoint
+
+    def run(max_epochs, ckpt_path=None):
+        counted = BatchCount()
+        trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=max_epochs, logger=False,
+                          **{**QUIET, "enable_checkpointing": True},
+                          callbacks=[ModelCheckpoint(save_top_k=-1, save_last=True), counted])
+        trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer, counted
+
+    first, _ = run(3)  # epochs 0-2, 5 steps each; last.ckpt at step 15
+    folder = Path(first.checkpoint_callback.dirpath)
+    run(2, ckpt_path=folder / "epoch=0-step=5.ckpt")  # rolled back to epoch 0 and went on to step 10
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 10
+    resumed, counted = run(3, ckpt_path="last")
+    assert counted.batches == 5 and resumed.global_step == 15  # the branch's third epoch, not step 15's file
+
+
+def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
+    from callbacks import ModelCheckpoint
+    from trainer.logging import CSVLogger
+
+    def run(max_epochs, ckpt_path=None, **where):
+        counted = BatchCount()
+        checkpoint = ModelCheckpoint(dirpath=where.get("dirpath"), save_last=True)
+        trainer = Trainer(default_root_dir=str(tmp_path / "elsewhere"), max_epochs=max_epochs,
+                          **{**QUIET, "enable_checkpointing": True, "logger": where.get("logger", False)},
+                          callbacks=[checkpoint, counted])
+        trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer, counted
+
+    run(1, dirpath=tmp_path / "mine")
+    resumed, counted = run(2, "last", dirpath=tmp_path / "mine")
+    assert counted.batches == 5 and resumed.global_step == 10
+    run(1, logger=CSVLogger(tmp_path / "logs", name="exp"))
+    resumed, counted = run(2, "last", logger=CSVLogger(tmp_path / "logs", name="exp"))
+    assert counted.batches == 5 and resumed.global_step == 10
+    assert resumed.log_dir == tmp_path / "logs" / "exp" / "version_0"
+
+
+def test_fit_from_last_with_nothing_saved_starts_afresh_and_says_so(tmp_path):
+    counted = BatchCount()
+    trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[counted], **QUIET)
+    with pytest.warns(UserWarning, match='ckpt_path="last": no checkpoint matches .*, so this fit starts from the beginning'):
+        trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path="last")
+    assert counted.batches == 5
+    with pytest.raises(MisconfigurationError, match='ckpt_path="last": no checkpoint matches'):
+        Trainer(default_root_dir=str(tmp_path / "none"), **QUIET).predict(
+            DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path="last")
+
+
 def test_a_mid_epoch_resume_on_another_number_of_processes_continues_after_the_samples_trained(tmp_path):
     ckpt = tmp_path / "mid.ckpt"
     fit(tmp_path / "saved", [SaveAt(ckpt, step=2)], max_epochs=1)

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 
-def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | NewestCheckpoint | None:
-    """The file (or, for "last", the folder whose furthest-trained good file) a stage of `trainer` loads; clear errors
-    for names that resolve to nothing."""
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None, stage: str = "fit") -> Path | NewestCheckpoint | None:
+    """The file (or, for "last", the folder whose last.ckpt, else furthest-trained good file) a stage of `trainer`
+    loads; clear errors for names that resolve to nothing. A fit given "last" with nothing to resume starts
+    afresh with a warning, as in Lightning, so that a job requeued with "last" works on its first run too."""
     if ckpt_path is None:
         return None
     if ckpt_path == "best":
@@ -36,18 +37,22 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | 
         return Path(best)
     if ckpt_path == "last":
         found = _last_checkpoint_folder(trainer)
-        if found is None and trainer.module is not None:
+        if found is not None:
+            # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's furthest-trained good one.
+            return NewestCheckpoint(found)
+        if trainer.module is not None:
             folder = getattr(trainer.checkpoint_callback, "dirpath", None)
-            raise MisconfigurationError(
-                f'ckpt_path="last": the run of this Trainer saved no checkpoint{f" in {folder}" if folder else ""}; '
-                "give a checkpoint's path, or resume with a new Trainer to pick the newest run's last.ckpt."
-            )
-        if found is None:
-            raise MisconfigurationError(
-                f'ckpt_path="last": no last.ckpt under {Path(trainer.config.default_root_dir) / trainer.config.name}.'
-            )
-        # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's furthest-trained good one.
-        return NewestCheckpoint(found)
+            missing = f'ckpt_path="last": the run of this Trainer saved no checkpoint{f" in {folder}" if folder else ""}'
+            advice = "give a checkpoint's path, or resume with a new Trainer to pick the newest run's last.ckpt."
+        else:
+            places = " or ".join(str(folder / pattern) for folder, pattern in _last_checkpoint_places(trainer))
+            missing = f'ckpt_path="last": no checkpoint matches {places}'
+            advice = "give a checkpoint's path."
+        if stage != "fit":
+            raise MisconfigurationError(f"{missing}; {advice}")
+        if trainer.is_global_zero:
+            warnings.warn(f"{missing}, so this fit starts from the beginning.", stacklevel=3)
+        return None
     path = Path(ckpt_path)
     if path.is_dir():
         raise MisconfigurationError(f"ckpt_path {str(path)!r} is a folder; give a checkpoint file in it, or 'last'.")
@@ -56,32 +61,43 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None) -> Path | 
     return path
 
 
+def _last_checkpoint_places(trainer: Trainer) -> list[tuple[Path, str]]:
+    """Where a new Trainer looks for last.ckpt, as (folder, glob pattern): its runs' checkpoint folders (under its
+    first logger's folder, or default_root_dir/name) and every ModelCheckpoint's own dirpath."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    root = Path(logger.save_dir) / logger.name if logger is not None else Path(trainer.config.default_root_dir) / trainer.config.name
+    given = [(c._dirpath_arg, "last*.ckpt") for c in trainer.checkpoint_callbacks if c._dirpath_arg is not None]
+    return [(root, "*/checkpoints/last*.ckpt"), *given]
+
+
 def _last_checkpoint_folder(trainer: Trainer) -> Path | None:
-    """The folder whose furthest-trained good checkpoint "last" means; which file that is, load_newest decides
-    where the checkpoint is loaded (ranking reads every file's counters: once is enough)."""
+    """The folder whose last.ckpt (else furthest-trained good checkpoint) "last" means; which file that is,
+    load_newest decides where the checkpoint is loaded (ranking reads every file's counters: once is enough)."""
     own = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if own and Path(own).is_file():
         return Path(own).parent
     if trainer.module is not None:  # this Trainer ran: its own run's checkpoints, never another run's
         folder = getattr(trainer.checkpoint_callback, "dirpath", None)
         return Path(folder) if folder and any(Path(folder).rglob("*.ckpt")) else None
-    root = Path(trainer.config.default_root_dir) / trainer.config.name
-    candidates = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    return candidates[-1].parent if candidates else None
+    candidates = [path for folder, pattern in _last_checkpoint_places(trainer) for path in folder.glob(pattern)]
+    return max(candidates, key=lambda p: p.stat().st_mtime).parent if candidates else None
 
 
 @dataclass(frozen=True)
 class NewestCheckpoint:
-    """`ckpt_path="last"`: the furthest-trained checkpoint in `folder` that loads, chosen where it is loaded."""
+    """`ckpt_path="last"`: `folder`'s last.ckpt, else its furthest-trained checkpoint that loads, chosen where
+    it is loaded."""
 
     folder: Path
 
 
 def ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[CheckpointError]]:
-    """The *.ckpt files under `folders` that read, ordered by the position saved in them, furthest first (a
-    file's time says nothing once a folder was copied or touched; at equal positions last.ckpt, then the
-    newest file), and why each of those that do not read does not."""
-    ranked: dict[Path, tuple[tuple[int, ...], bool, int, Path]] = {}
+    """The *.ckpt files under `folders` that read, last.ckpt (and last-v1.ckpt, ...) first, as in Lightning: it is
+    the run's latest state even where the folder holds files trained further (a resume from an earlier
+    checkpoint went on from there); then by the position saved in them, furthest first (a file's time says
+    nothing once a folder was copied or touched), then the newest file. Also why each of those that do not
+    read does not."""
+    ranked: dict[Path, tuple[bool, tuple[int, ...], int, Path]] = {}
     unreadable: dict[Path, CheckpointError] = {}
     for folder in folders:
         for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
@@ -95,7 +111,7 @@ def ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[Checkp
                 unreadable[path.resolve()] = err
                 continue
             if position is not None:
-                ranked[path.resolve()] = (position, path.stem.startswith("last"), modified, path)
+                ranked[path.resolve()] = (path.stem.startswith("last"), position, modified, path)
     return [path for *_, path in sorted(ranked.values(), reverse=True)], list(unreadable.values())
 
 

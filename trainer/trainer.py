@@ -320,7 +320,7 @@ class Trainer:
             datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> None:
         """Train `module`; afterwards it holds the trained weights, whatever the strategy."""
         self._check_inputs(module, datamodule, "fit", train_dataloaders)
-        ckpt = resolve_ckpt_path(self, ckpt_path)
+        ckpt = resolve_ckpt_path(self, ckpt_path, "fit")
         self._dispatch("fit", module, datamodule, ckpt, train_dataloaders, val_dataloaders)
 
     # validate/test take Lightning's argument order, so that calls with positional arguments port too.
@@ -340,7 +340,7 @@ class Trainer:
         ckpt_path = self._default_ckpt_path("predict", module, ckpt_path, calls_below_user=1)
         module = module or self.module
         self._check_inputs(module, datamodule or self.datamodule, "predict", dataloaders)
-        result = self._dispatch("predict", module, datamodule or self.datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
+        result = self._dispatch("predict", module, datamodule or self.datamodule, resolve_ckpt_path(self, ckpt_path, "predict"), dataloaders)
         return result[0] if len(result) == 1 else result
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
@@ -349,7 +349,7 @@ class Trainer:
         module = module or self.module
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         self._check_inputs(module, datamodule, stage, dataloaders)
-        results = self._dispatch(stage, module, datamodule, resolve_ckpt_path(self, ckpt_path), dataloaders)
+        results = self._dispatch(stage, module, datamodule, resolve_ckpt_path(self, ckpt_path, stage), dataloaders)
         if verbose and results and self.is_global_zero:
             print_results_table(results, stage)
         return results
