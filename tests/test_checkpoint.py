@@ -80,7 +80,7 @@ def fit(root: Path, callbacks=(), ckpt_path=None, **options) -> DropoutRegressor
     data = regression_data()
     options.setdefault("max_epochs", 3)
     trainer = Trainer(default_root_dir=str(root), seed=3, log_every_n_steps=1, callbacks=list(callbacks),
-                      **QUIET, **options)
+                      **{**QUIET, **options})
     trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=16),
                 ckpt_path=ckpt_path)
     return module
@@ -118,6 +118,41 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
     assert resumed_rows == full_rows
     full_text = (tmp_path / "full/default/version_0/metrics.csv").read_text()
     assert (tmp_path / "crashed/default/version_0/metrics.csv").read_text() == full_text
+
+
+class ValidationPositions(Callback):
+    def __init__(self) -> None:
+        self.positions: list[tuple[int, int]] = []
+
+    def on_validation_start(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.positions.append((trainer.current_epoch, trainer.progress.epoch_batches))
+
+
+@pytest.mark.filterwarnings("ignore:ModelCheckpoint. the checkpoint folder changed")
+def test_mid_epoch_validation_waits_for_the_accumulation_window_so_its_checkpoint_resumes_exactly(tmp_path):
+    from callbacks import ModelCheckpoint
+
+    options = dict(accumulate_grad_batches=2, val_check_interval=3, max_epochs=2, enable_checkpointing=True)
+    positions = ValidationPositions()
+    full = fit(tmp_path / "full", [positions, ModelCheckpoint(save_top_k=-1)], **options)
+    # Batch 3 ends inside a window (steps follow batches 2, 4 and the tail 5): validation waits for batch 4.
+    assert positions.positions == [(0, 4), (0, 5), (1, 4), (1, 5)]
+    mid_epoch = tmp_path / "full/default/version_0/checkpoints/epoch=0-step=2.ckpt"
+    assert load_checkpoint_file(mid_epoch)["loops"]["progress"]["epoch_batches"] == 4
+    resumed = fit(tmp_path / "resumed", ckpt_path=mid_epoch, **options)
+    assert_same_weights(resumed, full)
+
+
+def test_a_run_stopped_by_max_steps_and_resumed_with_more_matches_one_that_never_stopped(tmp_path):
+    from callbacks import ModelCheckpoint
+
+    full = fit(tmp_path / "full")
+    # Step 7 is batch 2 of epoch 1, not a validation point: the stop validates there, drawing from the RNG.
+    fit(tmp_path / "stopped", [ModelCheckpoint(save_last=True)], max_steps=7, enable_checkpointing=True)
+    resumed = fit(tmp_path / "stopped", [ModelCheckpoint(save_last=True)], ckpt_path="last", enable_checkpointing=True)
+    assert resumed.trainer.global_step == full.trainer.global_step == 15
+    assert_same_weights(resumed, full)
 
 
 class SaveInValidation(Callback):

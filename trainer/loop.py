@@ -106,6 +106,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         val_loaders = []  # validation turned off, sanity check included, as in Lightning
     trainer.val_dataloaders = val_loaders
     val_every = _val_every(config.val_check_interval, num_batches)
+    window = config.accumulate_grad_batches if module.automatic_optimization else 1
     step_limit = config.max_steps if config.max_steps != -1 else math.inf
 
     if config.num_sanity_val_steps and val_loaders and progress.global_step == 0:
@@ -114,11 +115,8 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             limit = min(config.num_sanity_val_steps, limit) if isinstance(limit, int) else config.num_sanity_val_steps
         trainer.sanity_checking = True
         trainer.call("on_sanity_check_start")
-        # Its loaders draw from the global RNG (a worker seed, a shuffle): restored, so that training does not
-        # depend on whether a sanity check ran, as in Lightning.
-        saved = rng_state()
-        evaluation_loop(trainer, "validate", val_loaders, limit=limit)
-        set_rng_state(saved)
+        # Training does not depend on whether a sanity check ran, as in Lightning.
+        evaluation_loop(trainer, "validate", val_loaders, limit=limit, keep_rng=True)
         trainer.call("on_sanity_check_end")
         trainer.sanity_checking = False
 
@@ -135,7 +133,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         trainer.call("on_train_epoch_start")
         trainer.metrics.in_step = True
         resumed_at = progress.epoch_batches
-        if 0 < resumed_at < num_batches and resumed_at % val_every == 0 and resumed_at != progress.validated_batches:
+        if 0 < resumed_at < num_batches and _validates_after(resumed_at, val_every, window) and resumed_at != progress.validated_batches:
             _validate_mid_epoch(trainer, val_loaders)  # resumed from a checkpoint taken before this validation
         finished = False
         batches = _epoch_batches(train_loader, progress.epoch_batches, num_batches)
@@ -148,7 +146,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             finished = is_last and progress.epoch_batches == batch_idx + 1
             # The last batch (or the step that reaches max_steps) validates after the loop, once.
             steps_done = progress.global_step >= step_limit
-            if (batch_idx + 1) % val_every == 0 and not is_last and not steps_done:
+            if _validates_after(batch_idx + 1, val_every, window) and not is_last and not steps_done:
                 _validate_mid_epoch(trainer, val_loaders)
             guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
             # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
@@ -162,7 +160,9 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         if progress.epoch_done:
             _validate_if_due(trainer, val_loaders)
         elif _steps_done(trainer):  # recorded as done at this batch: a resume from here does not validate again
-            _validate_mid_epoch(trainer, val_loaders)
+            # A run that goes on validates here only at a regular point; elsewhere the RNG this validation draws
+            # (its loaders' seeds) is given back, so that a resume with a higher max_steps matches such a run.
+            _validate_mid_epoch(trainer, val_loaders, keep_rng=not _validates_after(progress.epoch_batches, val_every, window))
         # Stopped mid-epoch (max_steps): a resume continues the epoch, so its checkpoint keeps the running values.
         running = None if progress.epoch_done else trainer.metrics.state_dict()
         trainer.metrics.in_step = False
@@ -220,6 +220,13 @@ def _val_every(interval: int | float, num_batches: int | float) -> int | float:
     return max(1, interval)
 
 
+def _validates_after(batches: int, val_every: int | float, window: int) -> bool:
+    """Whether a mid-epoch validation follows the epoch's first `batches` batches: at the first step boundary
+    at or after each multiple of `val_every`. Never inside an accumulation `window`: a checkpoint saved after
+    the validation would lack the window's pending gradients, and a resume from it would not match."""
+    return batches % window == 0 and batches // val_every > (batches - window) // val_every
+
+
 def _epoch_batches(loader: DataLoader, start: int, num_batches: int | float) -> Iterator[tuple[int, Any, bool]]:
     """(batch_idx, batch, is_last) for the epoch's batches from `start` on.
 
@@ -259,16 +266,16 @@ def _done(trainer: Trainer, max_epochs: int) -> bool:
     return trainer.should_stop and progress.epoch >= config.min_epochs
 
 
-def _validate_mid_epoch(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
+def _validate_mid_epoch(trainer: Trainer, val_loaders: list[DataLoader], keep_rng: bool = False) -> None:
     trainer.progress.validated_batches = trainer.progress.epoch_batches
-    _validate_if_due(trainer, val_loaders)
+    _validate_if_due(trainer, val_loaders, keep_rng)
 
 
-def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
+def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader], keep_rng: bool = False) -> None:
     config = trainer.config
     if not val_loaders or (trainer.progress.epoch + 1) % config.check_val_every_n_epoch:
         return
-    evaluation_loop(trainer, "validate", val_loaders, limit=config.limit_val_batches)
+    evaluation_loop(trainer, "validate", val_loaders, limit=config.limit_val_batches, keep_rng=keep_rng)
     trainer.module.train()
     trainer.metrics.stage, trainer.metrics.in_step = "train", True
 
@@ -276,8 +283,13 @@ def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader]) -> None:
 # --------------------------------------------------------------------------- validate / test
 
 
-def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], limit: int | float) -> list[dict[str, float]]:
+def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], limit: int | float,
+                    keep_rng: bool = False) -> list[dict[str, float]]:
     """Forward-only passes over `loaders` ('validate' or 'test'); the epoch metrics logged, one dict per loader.
+
+    `keep_rng`: for a validation that the run's training must not notice (a sanity check, the one at a
+    max_steps stop), the global RNG its loaders and steps draw from is given back after its batches, before
+    the end hooks, where a checkpoint may be saved.
 
     With several loaders, as in Lightning, the step gets each batch's `dataloader_idx` and what it logs is
     named `<name>/dataloader_idx_<i>`, so the loaders' values stay apart.
@@ -295,6 +307,7 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
     grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
     for dataloader_idx, loader in enumerate(loaders):
         _check_every_rank_evaluates(loader, limit, hook, dataloader_idx if several else None)
+    saved_rng = rng_state() if keep_rng else None
     with grad_mode:
         for dataloader_idx, loader in enumerate(loaders):
             num_batches = batch_limit(loader, limit)
@@ -308,6 +321,8 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
                 outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx if several else None)
                 trainer.call(f"on_{hook}_batch_end", outputs, batch, batch_idx, dataloader_idx)
                 trainer.write_eval_step_metrics()
+    if saved_rng is not None:
+        set_rng_state(saved_rng)
     trainer.metrics.in_step, trainer.metrics.name_suffix = False, ""
     trainer.call(f"on_{hook}_epoch_end")
     results = trainer.publish_epoch_metrics(log=not trainer.sanity_checking)
