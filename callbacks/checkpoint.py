@@ -80,6 +80,12 @@ class ModelCheckpoint(Callback):
     def state_key(self) -> str:
         settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
                     "every_n_epochs": self.every_n_epochs}
+        # Lightning's key leaves these out, so that two callbacks keeping the best 1 and the best 3 by one
+        # monitor collide; here they are told apart by where and under which names they save.
+        if self.filename != "{epoch}-{step}":
+            settings["filename"] = self.filename
+        if self._dirpath_arg is not None:
+            settings["dirpath"] = str(self._dirpath_arg)
         return f"{type(self).__qualname__}{settings!r}"
 
     # ------------------------------------------------------------------ when to save

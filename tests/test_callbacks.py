@@ -282,6 +282,37 @@ def test_weights_only_checkpoints_evaluate_and_load_but_do_not_resume(tmp_path):
         make_trainer(tmp_path, max_epochs=4).fit(Scripted([0.3] * 4), *loaders(), ckpt_path="last")
 
 
+def test_two_checkpoint_callbacks_on_one_monitor_keep_their_own_files_across_a_resume(tmp_path):
+    def callbacks():
+        return [ModelCheckpoint(monitor="val/score", save_top_k=1, filename="best-{epoch}"),
+                ModelCheckpoint(monitor="val/score", save_top_k=3, filename="top3-{epoch}", save_last=True)]
+
+    scores = [0.5, 0.4, 0.3, 0.2, 0.1]
+    first = callbacks()
+    make_trainer(tmp_path, first, max_epochs=3).fit(Scripted(scores), *loaders())
+    second = callbacks()
+    make_trainer(tmp_path, second, max_epochs=5).fit(Scripted(scores), *loaders(), ckpt_path=first[1].last_model_path)
+    names = checkpoint_names(second[0].dirpath)
+    assert names == {"best-epoch=4.ckpt", "top3-epoch=2.ckpt", "top3-epoch=3.ckpt", "top3-epoch=4.ckpt", "last.ckpt"}
+    assert [Path(p).name for p in second[0].best_k_models] == ["best-epoch=4.ckpt"]
+    assert sorted(Path(p).name for p in second[1].best_k_models) == ["top3-epoch=2.ckpt", "top3-epoch=3.ckpt", "top3-epoch=4.ckpt"]
+
+
+def test_callbacks_whose_states_would_share_a_checkpoint_entry_are_refused():
+    class Counter(Callback):
+        def __init__(self):
+            self.batches = 0
+
+        def state_dict(self):
+            return {"batches": self.batches}
+
+    with pytest.raises(MisconfigurationError, match="two Counter callbacks have the same state_key '.*Counter'.*override state_key"):
+        Trainer(callbacks=[Counter(), Counter()], logger=False)
+    with pytest.raises(MisconfigurationError, match="two ModelCheckpoint callbacks have the same state_key"):
+        Trainer(callbacks=[ModelCheckpoint(monitor="a", save_top_k=1), ModelCheckpoint(monitor="a", save_top_k=3)])
+    Trainer(callbacks=[Timer(duration="00:01:00:00"), LearningRateMonitor(), LearningRateMonitor()], logger=False)
+
+
 def test_format_checkpoint_name():
     checkpoint = ModelCheckpoint(filename="{epoch:02d}-{val/acc:.3f}-train.loss={train.loss:.1f}-{absent}")
     values = {"epoch": 3, "step": 7, "val/acc": torch.tensor(0.91234), "train.loss": 1.25}

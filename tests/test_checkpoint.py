@@ -427,7 +427,7 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     assert (tmp_path / "control").exists()
 
     torch.save({"state_dict": {}, "payload": Planted(tmp_path / "marker")}, path)
-    with pytest.raises(CheckpointError, match="planted.ckpt.*refused"):
+    with pytest.raises(CheckpointError, match=r"planted.ckpt.*refused \(WeightsUnpickler error: Unsupported global: GLOBAL io.open was not an allowed global by default\)"):
         load_checkpoint_file(path)
     with pytest.raises(CheckpointError, match="refused"):
         DropoutRegressor.load_from_checkpoint(path)
@@ -436,6 +436,56 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
             DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path=path
         )
     assert not (tmp_path / "marker").exists()
+
+
+def test_state_a_checkpoint_could_not_be_loaded_from_is_refused_when_saving(tmp_path):
+    import collections
+
+    import numpy as np
+
+    class BestSoFar(Callback):
+        def __init__(self, best):
+            self.best = best
+
+        def state_dict(self):
+            return {"history": [1.0, {"best": self.best}]}
+
+    for value, kind in ((np.float64(0.5), "numpy.float64"), (collections.deque([1]), "collections.deque")):
+        trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[BestSoFar(value)],
+                          **{**QUIET, "enable_checkpointing": True})
+        with pytest.raises(MisconfigurationError, match=rf"the checkpoint's callbacks\['.*BestSoFar'\]\['history'\]\[1\]"
+                                                        rf"\['best'\] is a {kind}, which checkpoints cannot hold"):
+            trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
+        assert not list(tmp_path.rglob("*.ckpt"))
+    fine = BestSoFar(torch.tensor(0.5))
+    Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[fine], **{**QUIET, "enable_checkpointing": True}).fit(
+        DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
+    assert len(list(tmp_path.rglob("*.ckpt"))) == 2  # the epoch's file and last.ckpt
+
+
+def test_checkpoints_a_fit_cannot_resume_from_say_why_before_training(tmp_path):
+    trained_checkpoint(tmp_path / "adam.ckpt")
+
+    class WithSGD(DropoutRegressor):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def resume(module, path):
+        counted = BatchCount()
+        with pytest.raises(CheckpointError) as error:
+            Trainer(max_epochs=2, logger=False, callbacks=[counted], **QUIET).fit(
+                module, DataLoader(regression_data(), batch_size=8), ckpt_path=path)
+        assert counted.batches == 0
+        return str(error.value)
+
+    message = resume(WithSGD(hidden=12, lr=0.02), tmp_path / "adam.ckpt")
+    assert message.startswith("the checkpoint's optimizer 0 has no dampening, momentum, which configure_optimizers' SGD needs")
+    whole = load_checkpoint_file(tmp_path / "adam.ckpt")
+    for layout in ({k: v for k, v in whole.items() if k != "loops"}, {**whole, "loops": {"fit_loop": {}}}):
+        torch.save(layout, tmp_path / "foreign.ckpt")
+        assert "no training position in this framework's layout (loops.progress)" in resume(DropoutRegressor(hidden=12, lr=0.02), tmp_path / "foreign.ckpt")
+    with pytest.raises(CheckpointError, match="is a folder; give a checkpoint file in it"):
+        DropoutRegressor.load_from_checkpoint(tmp_path)
 
 
 def test_truncated_checkpoint_names_the_file(tmp_path):

@@ -22,8 +22,10 @@ state_dict and the hparams: enough to evaluate or load the model, not to resume 
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
+import re
 import shutil
 import struct
 import warnings
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, MisconfigurationError
 from trainer.logging import run_folder
 from trainer.rng import rng_state, set_rng_state
 
@@ -91,6 +93,8 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
     """Read a checkpoint safely: nothing in the file can run code; bad files raise CheckpointError.
     `mmap`: tensors stay in the file until used (reading a checkpoint's counters costs no tensor reads)."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a folder; give a checkpoint file in it.")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
     try:
@@ -98,10 +102,13 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
     except pickle.UnpicklingError as err:
         if not _starts_like_torch_file(path):  # garbage, whatever opcode the unpickler took its first byte for
             raise _corrupt(path, err) from err
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+        # torch's message is a page of advice; the line naming the refused class is the one to show.
+        reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else type(err).__name__)
+        reason = reason.split(". Please use")[0]  # the rest advises trusting the file, which it is our job not to do
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds objects that only full unpickling could build, which could run "
-            f"arbitrary code, so it was refused ({first_line[:200]}). Save plain tensors and containers."
+            f"arbitrary code, so it was refused ({reason[:200]}). Save plain tensors and containers."
         ) from err
     # The weights-only unpickler takes any bytes for opcodes and trusts them: on garbage it indexes an
     # empty stack or memo, unpacks short fields or hashes a list (IndexError, KeyError, struct.error, TypeError).
@@ -182,7 +189,36 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, 
     if not weights_only:
         for callback in trainer.callbacks:
             callback.on_save_checkpoint(trainer, trainer.module, checkpoint)
+    refused = unloadable(checkpoint)
+    if refused is not None:
+        where, value = refused
+        raise MisconfigurationError(
+            f"the checkpoint's {where} is a {type(value).__module__}.{type(value).__qualname__}, which checkpoints cannot "
+            "hold: they are read with torch.load(weights_only=True), which refuses it. Store plain Python values, "
+            "lists, dicts or tensors there instead (e.g. float(x), x.tolist(), torch.as_tensor(x))."
+        )
     return checkpoint
+
+
+_LOADABLE = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def unloadable(value: Any, where: str = "") -> tuple[str, Any] | None:
+    """The first value in `value` (a checkpoint, or part of one) that torch.load(weights_only=True) refuses, and
+    where it is (e.g. "callbacks['Counter']['best']"); None when it all loads."""
+    kind = type(value)
+    if kind in (dict, collections.OrderedDict, collections.Counter):
+        for key, item in value.items():
+            found = unloadable(key, f"{where} key {key!r}") or unloadable(item, f"{where}[{key!r}]" if where else str(key))
+            if found is not None:
+                return found
+        return None
+    if kind in (list, tuple, set):
+        return next((found for index, item in enumerate(value)
+                     if (found := unloadable(item, f"{where}[{index}]")) is not None), None)
+    if kind in _LOADABLE or isinstance(value, torch.Tensor) or kind in torch.serialization.get_safe_globals():
+        return None
+    return where.lstrip() or "value", value
 
 
 def _training_state(trainer: Trainer) -> dict[str, Any]:
@@ -212,12 +248,8 @@ def _training_state(trainer: Trainer) -> dict[str, Any]:
 def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool) -> None:
     """Load the weights; with `full` (fit), also optimizers, schedulers, counters, callbacks, RNG: a resume."""
     assert trainer.module is not None
-    if full and "optimizer_states" not in checkpoint:
-        raise CheckpointError(
-            "this checkpoint holds only the model's weights (saved with weights_only=True, as "
-            "ModelCheckpoint(save_weights_only=True) does), so a fit cannot resume from it; pass it to "
-            "validate/test/predict or Net.load_from_checkpoint, or save full checkpoints to resume from."
-        )
+    if full:
+        _check_resumable(checkpoint)
     trainer.module.on_load_checkpoint(checkpoint)
     for callback in trainer.callbacks:
         callback.on_load_checkpoint(trainer, trainer.module, checkpoint)
@@ -230,8 +262,16 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
     if not full:
         return
     try:
-        for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True):
+        for index, (optimizer, state) in enumerate(zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True)):
             trainer.strategy.load_optimizer_state_dict(optimizer, state)
+            # torch takes the saved param groups whole: another kind of optimizer's fail only at its first step.
+            missing = sorted({key for key in getattr(optimizer, "defaults", {}) for group in optimizer.param_groups if key not in group})
+            if missing:
+                raise CheckpointError(
+                    f"the checkpoint's optimizer {index} has no {', '.join(missing)}, which configure_optimizers' "
+                    f"{type(optimizer).__name__} needs: it was saved from another kind of optimizer. Resume with the one "
+                    "it was trained with, or start a new fit from its weights (Net.load_from_checkpoint)."
+                )
         for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True):
             config.scheduler.load_state_dict(state)
             # The optimizer stepped before the checkpoint; torch's check that a scheduler steps after its
@@ -239,7 +279,8 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
             if isinstance(getattr(config.scheduler, "optimizer", None), torch.optim.Optimizer):
                 config.scheduler.optimizer._opt_called = True
     except (ValueError, KeyError) as err:
-        raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers ({err}).") from err
+        raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers "
+                              f"({type(err).__name__}: {err}); resume with the ones it was trained with.") from err
     # A run resumed on another number of processes (or accumulation) scales its rates by its own factor.
     saved_scale = float(checkpoint["loops"].get("lr_scale", trainer.lr_scaler.factor))
     if saved_scale != trainer.lr_scaler.factor:
@@ -262,6 +303,23 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
     states = checkpoint.get("rng", [])
     if states:
         set_rng_state(states[trainer.global_rank] if len(states) == trainer.world_size else states[0])
+
+
+def _check_resumable(checkpoint: dict[str, Any]) -> None:
+    """A clear error for a checkpoint that holds weights but not this format's training state."""
+    if "optimizer_states" not in checkpoint:
+        raise CheckpointError(
+            "this checkpoint holds only the model's weights (saved with weights_only=True, as "
+            "ModelCheckpoint(save_weights_only=True) does), so a fit cannot resume from it; pass it to "
+            "validate/test/predict or Net.load_from_checkpoint, or save full checkpoints to resume from."
+        )
+    loops = checkpoint.get("loops")
+    if not isinstance(loops, dict) or not isinstance(loops.get("progress"), dict):
+        raise CheckpointError(
+            "this checkpoint has no training position in this framework's layout (loops.progress): it was not "
+            "written by Trainer.save_checkpoint (a Lightning or hand-made file?), so a fit cannot resume from it; "
+            "load its weights (Net.load_from_checkpoint) and start a new fit."
+        )
 
 
 def _saved_hparams(trainer: Trainer) -> dict[str, Any]:

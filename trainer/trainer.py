@@ -134,6 +134,7 @@ class Trainer:
             callbacks.append(ModelSummary())
         if self.config.enable_checkpointing and not any(issubclass(k, ModelCheckpoint) for k in kinds):
             callbacks.append(ModelCheckpoint(save_last=True))
+        _check_state_keys(callbacks)
         # Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters).
         return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
 
@@ -599,6 +600,22 @@ Trainer.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined
 
 
 _EPOCH_SUFFIX = re.compile(r"_epoch(?=$|/dataloader_idx_\d+$)")
+
+
+def _check_state_keys(callbacks: list[Callback]) -> None:
+    """Callbacks with state need distinct state_keys: under one key, a checkpoint keeps one of their states,
+    and a resume gives it to both (two ModelCheckpoints would then evict each other's files)."""
+    seen: dict[str, Callback] = {}
+    for callback in callbacks:
+        if type(callback).state_dict is Callback.state_dict:
+            continue  # nothing saved, nothing to mix up
+        other = seen.setdefault(callback.state_key, callback)
+        if other is not callback:
+            raise MisconfigurationError(
+                f"two {type(callback).__name__} callbacks have the same state_key {callback.state_key!r}, so a "
+                "checkpoint could keep only one of their states; give them different settings (for ModelCheckpoint: "
+                "monitor, mode, filename or dirpath), or override state_key."
+            )
 
 
 def _equal(a: Any, b: Any) -> bool:
