@@ -232,8 +232,15 @@ class ModelCheckpoint(Callback):
 
         def fill(match: re.Match[str]) -> str:
             name, spec = match.group(1), match.group(2) or ""
-            value = metrics.get(name, float("nan"))
-            text = format(float(value) if isinstance(value, torch.Tensor) else value, spec)
+            value = metrics.get(name, 0)  # as in Lightning, a metric not logged yet is 0
+            value = value.item() if isinstance(value, torch.Tensor) else value
+            try:
+                text = format(value, spec)
+            except ValueError:
+                if not (isinstance(value, float) and value.is_integer()):
+                    raise MisconfigurationError(
+                        f"ModelCheckpoint(filename={template!r}): {name}={value!r} cannot be formatted as {spec!r}.") from None
+                text = format(int(value), spec)  # a logged count arrives as a float
             named = match.string[: match.start()].endswith(f"{name}=")
             return f"{name}={text}" if self.auto_insert_metric_name and not named else text
 

@@ -316,7 +316,14 @@ def test_callbacks_whose_states_would_share_a_checkpoint_entry_are_refused():
 def test_format_checkpoint_name():
     checkpoint = ModelCheckpoint(filename="{epoch:02d}-{val/acc:.3f}-train.loss={train.loss:.1f}-{absent}")
     values = {"epoch": 3, "step": 7, "val/acc": torch.tensor(0.91234), "train.loss": 1.25}
-    assert checkpoint.format_checkpoint_name(values) == "epoch=03-val_acc=0.912-train.loss=1.2-absent=nan.ckpt"
+    assert checkpoint.format_checkpoint_name(values) == "epoch=03-val_acc=0.912-train.loss=1.2-absent=0.ckpt"
+    # As in Lightning, a metric not logged yet is 0; a count logged as a float takes an integer format.
+    counted = ModelCheckpoint(filename="{epoch}-{n_correct:03d}-{val/acc:.2f}")
+    assert counted.format_checkpoint_name({"epoch": 1}) == "epoch=1-n_correct=000-val_acc=0.00.ckpt"
+    assert counted.format_checkpoint_name({"epoch": 1, "n_correct": 7.0, "val/acc": 0.5}) == "epoch=1-n_correct=007-val_acc=0.50.ckpt"
+    with pytest.raises(MisconfigurationError, match=r"filename='\{epoch\}-\{n_correct:03d\}-\{val/acc:.2f\}'\): n_correct=7.5 "
+                                                    r"cannot be formatted as '03d'"):
+        counted.format_checkpoint_name({"epoch": 1, "n_correct": 7.5})
     assert checkpoint.format_checkpoint_name(values, "epoch={epoch}-step={step}") == "epoch=3-step=7.ckpt"
     assert ModelCheckpoint(auto_insert_metric_name=False).format_checkpoint_name(values) == "3-7.ckpt"
 

@@ -472,6 +472,18 @@ def test_half_precision_values_average_in_float32_and_batch_sizes_skip_strings(t
     assert (long["bf16"], long["fp16"]) == (1.0, 100.0)  # bf16 sums stall at 256, fp16 sums overflow
 
 
+def test_half_precision_step_values_are_float32_as_in_lightning():
+    from trainer.logging import MetricCollector
+
+    metrics = MetricCollector(lambda tensor, op: tensor)
+    metrics.log("loss", torch.tensor(0.5, dtype=torch.bfloat16, requires_grad=True) * 1, prog_bar=True, on_epoch=True)
+    metrics.log("fp16", torch.tensor(2.0, dtype=torch.float16))
+    values = metrics.take_step_values()
+    assert {name: value.dtype for part in values for name, value in part.items()} == {
+        "loss_step": torch.float32, "loss": torch.float32, "fp16": torch.float32}
+    assert float(values[2]["loss"]) == 0.5
+
+
 def test_several_loaders_name_step_and_epoch_values_as_lightning_does(datasets):
     def both(module, batch, batch_idx, dataloader_idx):
         module.log("vl", float(dataloader_idx * 10 + 1), on_step=True, on_epoch=True)

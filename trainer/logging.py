@@ -115,6 +115,8 @@ class MetricCollector:
             entry.metric, tensor, sync_dist, on_epoch = value, _batch_value(value).detach() if on_step else None, False, False
         else:
             tensor = _to_tensor(name, value)
+        if tensor is not None and tensor.dtype in (torch.float16, torch.bfloat16):
+            tensor = tensor.float()  # as in Lightning, values are float32 whatever the precision: an epoch's sum needs its range
         if on_step:
             # Evaluation ranks may run one batch more or fewer than each other (every sample counts once), so an
             # evaluation step's per-batch value is this rank's own: a reduction there could wait forever.
@@ -128,8 +130,6 @@ class MetricCollector:
                 if entry.step_key != name:
                     self._step_for_callbacks[entry.step_key] = step_value
         if on_epoch:
-            if tensor.dtype in (torch.float16, torch.bfloat16):  # a sum over an epoch needs float32's range and digits
-                tensor = tensor.float()
             weight = float(batch_size or batch_size_of(self.batch))
             if entry.total is None:
                 entry.total = tensor * weight if reduce_fx == "mean" else tensor.clone()
