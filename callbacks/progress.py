@@ -63,16 +63,24 @@ class _TrainerProgress(Progress):
 class RichProgressBar(Callback):
     """A training bar (epoch, batches, elapsed, ETA, it/s, step and prog_bar metrics) and transient eval bars.
 
-    Training batches cost it nothing: rich's refresh thread redraws every `refresh_rate` seconds and reads
-    the trainer's counters and logged tensors then (`refresh_rate=0`: a redraw after every batch, from
-    the loop). Evaluation bars count their batches. Ranks other than 0 draw nothing. When stdout is not
+    Training batches cost it nothing: rich's refresh thread redraws every `refresh_interval` seconds and
+    reads the trainer's counters and logged tensors then (`refresh_interval=0`: a redraw after every batch,
+    from the loop). Evaluation bars count their batches. Ranks other than 0 draw nothing. When stdout is not
     a terminal (CI logs) it prints one line per training epoch instead.
+
+    Lightning's arguments mean what they mean there: `refresh_rate` batches between updates of the count
+    shown (0 hides the bar), `leave` keeps each finished epoch's bar on screen, `console_kwargs` build the
+    rich Console (or pass one as `console`).
     """
 
-    def __init__(self, refresh_rate: float = 0.5, console: Console | None = None) -> None:
-        if not isinstance(refresh_rate, (int, float)) or refresh_rate < 0:
-            raise MisconfigurationError(f"RichProgressBar(refresh_rate={refresh_rate!r}) must be seconds >= 0.")
-        self.refresh_rate = float(refresh_rate)
+    def __init__(self, refresh_rate: int = 1, leave: bool = False, console_kwargs: dict[str, Any] | None = None,
+                 refresh_interval: float = 0.5, console: Console | None = None) -> None:
+        if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
+            raise MisconfigurationError(f"RichProgressBar(refresh_rate={refresh_rate!r}) must be a number of batches >= 0 (0 hides the bar).")
+        if not isinstance(refresh_interval, (int, float)) or refresh_interval < 0:
+            raise MisconfigurationError(f"RichProgressBar(refresh_interval={refresh_interval!r}) must be seconds >= 0.")
+        self.refresh_rate, self.leave, self.refresh_interval = refresh_rate, leave, float(refresh_interval)
+        self._console_kwargs = dict(console_kwargs or {})
         self._user_console = console
         self._console: Console | None = None
         self._progress: Progress | None = None
@@ -94,15 +102,15 @@ class RichProgressBar(Callback):
 
     def uses_hook(self, hook: str) -> bool:
         # Training batches are drawn by the refresh thread, unless a redraw after every batch was asked for.
-        return hook != "on_train_batch_end" or self.refresh_rate == 0
+        return hook != "on_train_batch_end" or self.refresh_interval == 0
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        self._enabled = trainer.is_global_zero
+        self._enabled = trainer.is_global_zero and self.refresh_rate > 0
         if not self._enabled:
             return
         self._trainer = trainer
-        self._console = self._user_console or Console()
+        self._console = self._user_console or Console(**self._console_kwargs)
         self._interactive = self._console.is_terminal and not self._console.is_dumb_terminal
 
     def _live(self) -> Progress | None:
@@ -115,7 +123,8 @@ class RichProgressBar(Callback):
                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), _SpeedColumn(),
                 TextColumn("{task.fields[metrics]}", markup=False),
                 before_render=self._update_tasks, console=self._console,
-                auto_refresh=self.refresh_rate > 0, refresh_per_second=1 / self.refresh_rate if self.refresh_rate else 1,
+                auto_refresh=self.refresh_interval > 0,
+                refresh_per_second=1 / self.refresh_interval if self.refresh_interval else 1,
             )
             self._progress.start()
         return self._progress
@@ -149,13 +158,13 @@ class RichProgressBar(Callback):
         description = self._epoch_description(trainer)
         # math.inf for a loader without a length: rich then draws an open-ended bar ("n/?").
         total = trainer.num_training_batches if math.isfinite(trainer.num_training_batches) else None
-        if self._train_task is None:
+        if self._train_task is None or self.leave:  # with leave, the finished epoch's bar stays above the new one
             self._train_task = progress.add_task(description, total=total, metrics="")
         else:
             progress.reset(self._train_task, total=total, description=description)  # both redraw
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._redraw()  # refresh_rate=0 only (see uses_hook)
+        self._redraw()  # refresh_interval=0 only (see uses_hook)
 
     def _update_tasks(self) -> None:
         """Bring the tasks to the trainer's batch count and metrics; runs before each redraw, in either thread."""
@@ -164,6 +173,8 @@ class RichProgressBar(Callback):
             return
         if self._train_task is not None:
             done = trainer.progress.epoch_batches if self._ended_epoch_batches is None else self._ended_epoch_batches
+            if self._ended_epoch_batches is None:
+                done -= done % self.refresh_rate  # the count moves every refresh_rate batches
             progress.update(self._train_task, completed=done, metrics=metrics_text(trainer))
         eval_task = self._eval_task
         if eval_task is not None:
@@ -200,7 +211,7 @@ class RichProgressBar(Callback):
 
     def _eval_batch(self) -> None:
         self._eval_done += 1
-        if self.refresh_rate == 0:
+        if self.refresh_interval == 0:
             self._redraw()
 
     def _eval_end(self, trainer: Trainer) -> None:

@@ -635,7 +635,7 @@ def test_progress_bar_prints_one_line_per_epoch_without_a_terminal(tmp_path, cap
 
 def test_progress_bar_draws_on_a_terminal_and_throttles_refreshes(tmp_path, monkeypatch):
     console = Console(file=io.StringIO(), force_terminal=True, width=160)
-    make_trainer(tmp_path, [RichProgressBar(refresh_rate=0, console=console)], max_epochs=2).fit(
+    make_trainer(tmp_path, [RichProgressBar(refresh_interval=0, console=console)], max_epochs=2).fit(
         Scripted([0.1] * 2), *loaders())
     drawn = console.file.getvalue()
     assert "Epoch 1/1" in drawn and "train_loss=" in drawn and "it/s" in drawn
@@ -646,7 +646,7 @@ def test_progress_bar_draws_on_a_terminal_and_throttles_refreshes(tmp_path, monk
     original = progress_module.metrics_text
     monkeypatch.setattr(progress_module, "metrics_text", lambda trainer: reads.append(1) or original(trainer))
     slow_console = Console(file=io.StringIO(), force_terminal=True, width=160)
-    bar = RichProgressBar(refresh_rate=3600, console=slow_console)
+    bar = RichProgressBar(refresh_interval=3600, console=slow_console)
     make_trainer(tmp_path, [bar], max_epochs=2).fit(Scripted(), *loaders(samples=256, batch_size=2))
     # 256 batches over 2 epochs, yet metrics are read only when the bar changes: an epoch's start and end and
     # its validation's start and end (rich redraws once more when it stops).
@@ -671,7 +671,7 @@ class WaitsForTheBar(Scripted):
 
 def test_progress_bar_is_drawn_by_richs_thread_with_no_work_per_batch(tmp_path):
     console = Console(file=io.StringIO(), force_terminal=True, width=160)
-    bar = RichProgressBar(refresh_rate=0.02, console=console)
+    bar = RichProgressBar(refresh_interval=0.02, console=console)
     module = WaitsForTheBar(bar)
     trainer = make_trainer(tmp_path, [bar], max_epochs=1)
     assert trainer.hook("on_train_batch_end") is None  # the step calls nothing for the bar
@@ -680,9 +680,40 @@ def test_progress_bar_is_drawn_by_richs_thread_with_no_work_per_batch(tmp_path):
     assert "5/32" in console.file.getvalue() and "32/32" in console.file.getvalue()
 
 
+def test_progress_bar_takes_lightnings_arguments_with_lightnings_meaning(tmp_path, capsys):
+    def frames(bar_options, epochs=2):
+        console = Console(file=io.StringIO(), force_terminal=True, width=160)
+        bar = RichProgressBar(refresh_interval=0, console=console, **bar_options)
+        make_trainer(tmp_path, [bar], max_epochs=epochs).fit(Scripted([0.1] * epochs), *loaders(samples=32, batch_size=4))
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", console.file.getvalue())
+
+    counts = set(re.findall(r" (\d)/8 ", frames({"refresh_rate": 3}, epochs=1)))
+    assert counts == {"0", "3", "6", "8"}  # the count moves every 3 batches; the finished epoch shows all 8
+    assert frames({"refresh_rate": 0}) == "" and capsys.readouterr().out == ""  # 0 hides the bar, as in Lightning
+    for leave, bars in ((True, ["Epoch 0/2", "Epoch 1/2", "Epoch 2/2"]), (False, ["Epoch 2/2"])):
+        console = Console(file=io.StringIO(), force_terminal=True, width=160)
+        bar = RichProgressBar(leave=leave, console=console)
+
+        class Shown(Callback):
+            def __init__(self, bar):
+                self.bar = bar
+
+            def on_train_end(self, trainer, module):  # before the bar stops: the rows on screen
+                self.rows = [task.description for task in self.bar._progress.tasks]
+
+        shown = Shown(bar)
+        make_trainer(tmp_path, [shown, bar], max_epochs=3).fit(Scripted([0.1] * 3), *loaders())
+        assert shown.rows == bars  # with leave, each finished epoch's bar stays above the next one
+    with pytest.raises(MisconfigurationError, match=r"refresh_rate=0.5\) must be a number of batches >= 0 \(0 hides the bar\)"):
+        RichProgressBar(refresh_rate=0.5)
+    wide = RichProgressBar(console_kwargs={"width": 77})
+    wide.setup(SimpleNamespace(is_global_zero=True), None, "fit")
+    assert wide._console.width == 77
+
+
 def test_progress_bar_draws_nothing_off_rank_zero(capsys):
     console = Console(file=io.StringIO(), force_terminal=True)
-    bar = RichProgressBar(refresh_rate=0, console=console)
+    bar = RichProgressBar(refresh_interval=0, console=console)
     other_rank = SimpleNamespace(is_global_zero=False, sanity_checking=False)
     bar.setup(other_rank, None, "fit")
     bar.on_train_epoch_start(other_rank, None)
