@@ -139,7 +139,9 @@ class ModelCheckpoint(Callback):
         if trainer.sanity_checking or trainer.config.fast_dev_run or step == self._last_global_step_saved:
             return  # fast_dev_run: a smoke test leaves no files behind
         self._last_global_step_saved = step
-        values = self._candidates(trainer, at_epoch_end, ranked=top_k)
+        values = self._candidates(trainer)
+        absent = top_k and self.monitor is not None and self.monitor not in values
+        missing = self._missing_monitor(trainer, at_epoch_end) if absent else None
         previous_last = self.last_model_path
         if self.save_last:
             # Named before the top-k file is written, so that file's copy of this callback's state names it too.
@@ -152,30 +154,35 @@ class ModelCheckpoint(Callback):
                 trainer.save_checkpoint(self.last_model_path, weights_only=self.save_weights_only)
             if previous_last and previous_last != self.last_model_path:
                 trainer.strategy.remove_checkpoint(previous_last)
+        if missing is not None:  # raised once the run's state is in last.ckpt (with save_last): no work is lost
+            saved = f" The run so far is saved in {self.last_model_path}." if self.save_last else ""
+            raise MisconfigurationError(missing + saved)
 
-    def _candidates(self, trainer: Trainer, at_epoch_end: bool, ranked: bool) -> dict[str, Any]:
+    def _candidates(self, trainer: Trainer) -> dict[str, Any]:
         """epoch, step and the logged values the monitor and the filename need, as rank 0 sees them."""
         metrics = trainer.callback_metrics
         wanted = {m.group(1) for m in _PLACEHOLDER.finditer(self.filename + self.CHECKPOINT_NAME_LAST)}
         if self.monitor is not None:
             wanted.add(self.monitor)
-            if self.monitor not in metrics and ranked:
-                self._missing_monitor(trainer, at_epoch_end)
         values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
         values.update({name: float(metrics[name]) for name in wanted - values.keys() if name in metrics})
         # Ranks could hold different unsynced values; deciding on rank 0's keeps the save collective in step.
         return trainer.strategy.broadcast(values)
 
-    def _missing_monitor(self, trainer: Trainer, at_epoch_end: bool) -> None:
+    def _missing_monitor(self, trainer: Trainer, at_epoch_end: bool) -> str | None:
+        """The error for a monitor that is still not logged when it should be; None (after a warning, once)
+        while it may yet appear, or when no validation runs that could log it (limit_val_batches=0)."""
         message = (f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
                    f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) or fix the name.")
         # Before the first validation a validation metric is legitimately absent; after it, it is a mistake.
-        epoch_validated = at_epoch_end and trainer.progress.epoch_done and trainer.config.check_val_every_n_epoch == 1
+        epoch_validated = (at_epoch_end and trainer.progress.epoch_done and trainer.config.check_val_every_n_epoch == 1
+                           and bool(trainer.val_dataloaders))
         if self._validation_ran or epoch_validated:
-            raise MisconfigurationError(message)
+            return message
         if not self._warned_missing and trainer.is_global_zero:
             self._warned_missing = True
             warnings.warn(message + " Skipping top-k saving until it appears.", stacklevel=2)
+        return None
 
     def _save_top_k(self, trainer: Trainer, values: dict[str, Any]) -> str | None:
         """Save a checkpoint if it makes the top k; the path written, if any."""

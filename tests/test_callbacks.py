@@ -335,6 +335,20 @@ def test_missing_monitor_names_the_key_and_the_logged_keys(tmp_path):
     assert "'val_acc'" in str(error.value)
     assert str(["train_loss", "val/score"]) in str(error.value)
 
+    # With save_last the epoch's work is in last.ckpt before the error stops the run.
+    checkpoint = ModelCheckpoint(monitor="val_acc", save_last=True)
+    with pytest.raises(MisconfigurationError, match=r"found no such logged metric.*The run so far is saved in .*last\.ckpt"):
+        make_trainer(tmp_path, [checkpoint], max_epochs=2).fit(Scripted([0.5, 0.5]), *loaders())
+    assert load(checkpoint.last_model_path)["loops"]["progress"]["global_step"] == 4
+
+
+def test_a_validation_monitor_with_validation_off_warns_and_keeps_last(tmp_path):
+    checkpoint = ModelCheckpoint(monitor="val/score", save_last=True)
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=2, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="monitor='val/score'.*found no such logged metric.*Skipping top-k saving"):
+        trainer.fit(Scripted([0.5, 0.5]), *loaders())
+    assert checkpoint_names(checkpoint.dirpath) == {"last.ckpt"} and trainer.global_step == 8
+
 
 def test_resume_keeps_top_k_bookkeeping(tmp_path):
     scores = [0.5, 0.3, 0.9, 0.4, 0.2, 0.8, 0.35, 0.6]
