@@ -31,7 +31,7 @@ from trainer import Trainer, TrainModule, faults
 from trainer.checkpoint import load_checkpoint_file
 from trainer.data import prepare_loader
 from trainer.errors import CheckpointError
-from trainer.faults import SIGTERM_EXIT_CODE, CollectiveTimeoutError, NonFiniteLossError
+from trainer.faults import SIGINT_EXIT_CODE, SIGTERM_EXIT_CODE, CollectiveTimeoutError, NonFiniteLossError
 
 SCRIPT = Path(fault_script.__file__)
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
@@ -170,14 +170,15 @@ def test_corrupt_checkpoints_are_skipped_with_a_warning_naming_them(single_run, 
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_saves_a_checkpoint_exits_143_and_the_next_start_resumes(single_run, tmp_path):
+@pytest.mark.parametrize("sig, exit_code", [(signal.SIGTERM, SIGTERM_EXIT_CODE), (signal.SIGINT, SIGINT_EXIT_CODE)])
+def test_sigterm_or_ctrl_c_saves_a_checkpoint_exits_and_the_next_start_resumes(single_run, tmp_path, sig, exit_code):
     proc = start_script(tmp_path, "single", "--slow-from", "5")
     wait_for(tmp_path / "marker", proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     code, output = finish(proc)
-    assert code == SIGTERM_EXIT_CODE, output[-3000:]
+    assert code == exit_code, output[-3000:]
     last = run_folder(tmp_path) / "checkpoints" / "last.ckpt"
-    assert f"trainer: SIGTERM: saved {last}" in output and "Traceback" not in output
+    assert f"trainer: {sig.name}: saved {last}" in output and "Traceback" not in output
     step = saved_step(last)
     assert 5 <= step < 24  # where the signal landed; the run had 24 steps to go
     resumed = fit(tmp_path, "single", ckpt_path="last")
@@ -242,9 +243,9 @@ def test_a_nan_loss_stops_before_its_step_and_the_last_checkpoint_stays_finite(t
 
 
 def test_skip_mode_drops_nan_steps_like_a_hand_written_loop_and_counts_them(tmp_path):
-    handler = signal.getsignal(signal.SIGTERM)
+    handlers = [signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)]
     module = fit_poisoned(tmp_path, nonfinite_loss="skip")
-    assert signal.getsignal(signal.SIGTERM) is handler  # fit gave the process its handler back
+    assert [signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)] == handlers  # fit gave them back
     torch.manual_seed(0)
     reference = Linear()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
@@ -335,14 +336,15 @@ def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_to_a_ddp_job_saves_on_every_rank_and_the_next_start_resumes(ddp_run, tmp_path):
+@pytest.mark.parametrize("sig, exit_code", [(signal.SIGTERM, SIGTERM_EXIT_CODE), (signal.SIGINT, SIGINT_EXIT_CODE)])
+def test_sigterm_or_ctrl_c_to_a_ddp_job_saves_on_every_rank_and_the_next_start_resumes(ddp_run, tmp_path, sig, exit_code):
     proc = start_script(tmp_path, "ddp", "--slow-from", "2")
     wait_for(tmp_path / "marker", proc)
-    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: the launching process and every worker
+    os.killpg(proc.pid, sig)  # as SLURM (SIGTERM) or a terminal's Ctrl-C (SIGINT) do: the launcher and every worker
     code, output = finish(proc)
-    assert code == SIGTERM_EXIT_CODE, output[-3000:]
+    assert code == exit_code, output[-3000:]
     last = run_folder(tmp_path) / "checkpoints" / "last.ckpt"
-    assert f"trainer: SIGTERM: saved {last}" in output and "Traceback" not in output
+    assert f"trainer: {sig.name}: saved {last}" in output and "Traceback" not in output
     step = saved_step(last)
     assert 2 <= step < 12
     resumed = fit(tmp_path, "ddp", ckpt_path="last")

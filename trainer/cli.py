@@ -23,6 +23,7 @@ import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
 from trainer.errors import CheckpointError, MisconfigurationError
+from trainer.faults import SIGINT_EXIT_CODE
 
 STAGES = ("fit", "validate", "test", "predict")
 USAGE_ERROR = 2
@@ -52,6 +53,11 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
             traceback.print_exc()
         print(f"trainer {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (the first one in fit saves and exits 130)
+        if args.verbose:
+            traceback.print_exc()
+        print(f"trainer {args.command}: interrupted", file=sys.stderr)
+        return SIGINT_EXIT_CODE
 
 
 def _one_line(err: BaseException) -> str:

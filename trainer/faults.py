@@ -14,6 +14,13 @@ SIGTERM (what SLURM and Kubernetes send some seconds before SIGKILL)
     no step boundary comes (a hung read) ignores SIGTERM, so when the job fails around it the agent takes
     its fixed 30 s to SIGKILL it.
 
+SIGINT (Ctrl-C)
+    The same, exiting with code 130 (128 + SIGINT) and the message "trainer: SIGINT: saved ...": an
+    interrupted run loses nothing. In a single process a second Ctrl-C stops at once (KeyboardInterrupt).
+    Where a launcher started the processes, a terminal's Ctrl-C reaches each of them twice (from the
+    terminal, and forwarded by the agent), so there every SIGINT only asks for the save, and the agent's
+    grace period bounds the wait.
+
 Non-finite losses (`Trainer(nonfinite_loss=...)`)
     'error' (default) stops before the optimizer step of a batch whose loss is NaN or inf, naming the step,
     epoch and batch: the weights, and so every checkpoint, stay finite. 'skip' drops that step instead
@@ -67,13 +74,15 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
+SIGINT_EXIT_CODE = 130  # 128 + SIGINT
 AGREE_EVERY_S = 0.25  # how often ranks stepping together exchange their SIGTERM flags (see the module docstring)
 MAX_AGREE_INTERVAL = 4  # step boundaries between exchanges, at most: bounds the delay when steps slow down
 NONFINITE_MODES = ("error", "skip", "ignore")
 
 
 class Terminated(SystemExit):
-    """Raised out of fit once a SIGTERM's checkpoint is saved; exits the process with SIGTERM_EXIT_CODE."""
+    """Raised out of fit once a SIGTERM's (or SIGINT's) checkpoint is saved; exits the process with
+    SIGTERM_EXIT_CODE (SIGINT_EXIT_CODE)."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -90,8 +99,8 @@ class CollectiveTimeoutError(RuntimeError):
 class StepGuard:
     """One fit's SIGTERM flag and non-finite loss check, both settled at optimizer-step boundaries.
 
-    `with StepGuard(trainer) as guard:` installs the SIGTERM handler (main thread only) and restores the
-    previous one on exit.
+    `with StepGuard(trainer) as guard:` installs the SIGTERM and SIGINT handlers (main thread only) and
+    restores the previous ones on exit.
     """
 
     def __init__(self, trainer: Trainer) -> None:
@@ -107,13 +116,14 @@ class StepGuard:
         self._countdown = 0  # step boundaries until the next exchange (agreed, so the same on every rank)
         self._interval = 1  # step boundaries from the last exchange to the next
         self._last_exchange: float | None = None  # time.monotonic() of the last exchange
-        self._previous_handler: Any = None
-        self._installed = False
+        self._previous_handlers: dict[int, Any] = {}
+        self.received = signal.SIGTERM  # the signal this rank got first (a rank told by the others: SIGTERM)
+        # One process started by hand: a second Ctrl-C is the user insisting (see the module docstring).
+        self._second_sigint_stops = not strategy.environment.launched and strategy.world_size == 1
 
     def __enter__(self) -> StepGuard:
         if threading.current_thread() is threading.main_thread():  # signal.signal works there only
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._installed = True
+            self._previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -121,13 +131,16 @@ class StepGuard:
             # Every rank started it: collect it, so no collective is left open when the group goes.
             self.trainer.strategy.max_across_ranks_result(self._pending)
         self._pending = None
-        if self._installed:
-            previous = self._previous_handler
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-            self._installed = False
+        for sig, previous in self._previous_handlers.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous_handlers = {}
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.signalled:
+            self.received = signal.Signals(signum)
         self.signalled = True
+        if signum == signal.SIGINT and self._second_sigint_stops:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def allow_step(self, output: Any, batch_idx: int, stepping: bool) -> bool:
         """Keep a micro-batch's loss; at the micro-batch that steps, check and settle its window.
@@ -222,11 +235,12 @@ class StepGuard:
         trainer, progress = self.trainer, self.trainer.progress
         path = _last_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
+        code = SIGINT_EXIT_CODE if self.received == signal.SIGINT else SIGTERM_EXIT_CODE
         if trainer.is_global_zero:
-            print(f"trainer: SIGTERM: saved {path} at global step {progress.global_step} (epoch {progress.epoch}, "
-                  f"{progress.epoch_batches} batches done); exiting with code {SIGTERM_EXIT_CODE}. "
+            print(f"trainer: {self.received.name}: saved {path} at global step {progress.global_step} (epoch "
+                  f"{progress.epoch}, {progress.epoch_batches} batches done); exiting with code {code}. "
                   "fit(ckpt_path='last') resumes from it.", file=sys.stderr, flush=True)
-        raise Terminated(SIGTERM_EXIT_CODE)
+        raise Terminated(code)
 
 
 def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float] | None:

@@ -8,7 +8,8 @@ with MASTER_ADDR and MASTER_PORT (node 0's address and a free port) and NODE_RAN
 there and node 0 holds global rank 0; the script on every node gets the trained weights back.
 `max_restarts` restarts the whole group when a worker dies; the restarted workers resume from the newest
 good checkpoint of the same run folder (trainer/faults.py). SIGTERM to the launching process reaches
-the workers too: they save last.ckpt together and the launching process exits with code 143.
+the workers too: they save last.ckpt together and the launching process exits with code 143 (130 for
+Ctrl-C's SIGINT).
 
 Workers are started with "spawn": each is a fresh interpreter that re-imports the script (as
 `__mp_main__`) and then unpickles the trainer, module and datamodule. Therefore:
@@ -104,14 +105,14 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
             returns = elastic_launch(config, run_worker)(payload, str(workdir), threads)
     except SignalException as err:
         shutil.rmtree(workdir, ignore_errors=True)
-        if err.sigval != signal.SIGTERM:
+        if err.sigval not in (signal.SIGTERM, signal.SIGINT):
             raise
-        # Preempted: the agent forwarded SIGTERM and waited for the workers, which saved last.ckpt first.
-        raise faults.Terminated(faults.SIGTERM_EXIT_CODE) from None
+        # Preempted or Ctrl-C: the agent forwarded the signal and waited for the workers, which saved last.ckpt.
+        raise faults.Terminated(128 + int(err.sigval)) from None
     except ChildFailedError as err:
-        if all(f.exitcode == faults.SIGTERM_EXIT_CODE for f in err.failures.values()):
+        if all(f.exitcode in (faults.SIGTERM_EXIT_CODE, faults.SIGINT_EXIT_CODE) for f in err.failures.values()):
             shutil.rmtree(workdir, ignore_errors=True)  # the workers alone got SIGTERM and saved
-            raise faults.Terminated(faults.SIGTERM_EXIT_CODE) from None
+            raise faults.Terminated(max(f.exitcode for f in err.failures.values())) from None
         failure, keep_output = _job_failure(err, workdir, nproc * num_nodes, strategy.reporting_rank)
         if not keep_output:
             shutil.rmtree(workdir, ignore_errors=True)
