@@ -75,8 +75,15 @@ def test_ckpt_path_that_does_not_exist(tmp_path):
 def test_empty_dataloader():
     with pytest.raises(MisconfigurationError, match="training dataloader yields no batches"):
         fit(Tiny(), loader(samples=0))
-    with pytest.raises(MisconfigurationError, match="limit_train_batches=0"):
-        fit(Tiny(), limit_train_batches=0)
+    for zero in (0, 0.0):  # refused when the Trainer is built, before anything starts
+        with pytest.raises(MisconfigurationError, match="limit_train_batches=0(.0)? would train on nothing"):
+            Trainer(limit_train_batches=zero)
+
+
+@pytest.mark.parametrize("key", ["enable_checkpointing", "enable_progress_bar", "deterministic", "inference_mode"])
+def test_a_switch_given_a_string_is_refused(key):
+    with pytest.raises(MisconfigurationError, match=f"trainer option {key}='false' must be True or False"):
+        Trainer(**{key: "false"})
 
 
 class Nothing(IterableDataset):

@@ -4,6 +4,7 @@ batch size), on_step/on_epoch naming, and what the CSV logger writes."""
 from __future__ import annotations
 
 import csv
+import warnings
 
 import numpy as np
 import pytest
@@ -470,6 +471,20 @@ def test_half_precision_values_average_in_float32_and_batch_sizes_skip_strings(t
     assert result == {"bf16": 1.0, "fp16": 100.0, "numpy": 1.5, "x_mean": pytest.approx(4.5)}
     [long] = Trainer(**QUIET, logger=False).validate(Half(), DataLoader(samples, batch_size=1))  # 500 batches
     assert (long["bf16"], long["fp16"]) == (1.0, 100.0)  # bf16 sums stall at 256, fp16 sums overflow
+
+
+def test_a_fit_too_short_for_its_logging_interval_says_so(datasets, tmp_path):
+    def fit(**options):
+        Trainer(**{**QUIET, "max_epochs": 2, "default_root_dir": str(tmp_path), **options}).fit(
+            Probe({}), DataLoader(datasets[0], batch_size=8))
+
+    with pytest.warns(UserWarning, match=r"this fit takes 6 optimizer steps, fewer than log_every_n_steps=50, so its "
+                                         r"loggers get no per-step values"):
+        fit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(log_every_n_steps=3)
+        fit(logger=False)
 
 
 def test_half_precision_step_values_are_float32_as_in_lightning():

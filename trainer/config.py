@@ -101,6 +101,9 @@ def _need(condition: bool, message: str) -> None:
 
 def validate(config: TrainerConfig) -> None:
     """Check types and ranges of every option, with messages that say what to change."""
+    for key in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
+        value = getattr(config, key)
+        _need(isinstance(value, bool), f"trainer option {key}={value!r} must be True or False.")
     for key in ("max_steps", "min_epochs", "check_val_every_n_epoch", "num_sanity_val_steps",
                 "accumulate_grad_batches", "log_every_n_steps", "devices", "num_nodes", "lr_warmup_steps", "max_restarts"):
         value = getattr(config, key)
@@ -133,6 +136,8 @@ def validate(config: TrainerConfig) -> None:
         ok = (_is_int(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0)
         _need(ok, f"{key}={value!r} must be a fraction in [0.0, 1.0] or a batch count (int >= 0).")
     _need(config.val_check_interval != 0, "val_check_interval=0 would never validate; use a fraction in (0, 1] or a batch count.")
+    _need(config.limit_train_batches != 0, "limit_train_batches=0 would train on nothing; use a fraction in (0, 1] or a "
+          "batch count >= 1 (to only evaluate, call trainer.validate or trainer.test).")
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
         known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")

@@ -102,6 +102,7 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     if num_batches == 0:
         raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
     trainer.train_dataloader, trainer.num_training_batches = train_loader, num_batches
+    _warn_if_no_step_is_logged(trainer, num_batches)
     if config.limit_val_batches == 0:
         val_loaders = []  # validation turned off, sanity check included, as in Lightning
     trainer.val_dataloaders = val_loaders
@@ -189,6 +190,21 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
         progress.new_epoch()
     trainer.call("on_train_end")
+
+
+def _warn_if_no_step_is_logged(trainer: Trainer, num_batches: int | float) -> None:
+    """As Lightning does: a fit shorter than log_every_n_steps writes no per-step row, which looks like a bug."""
+    config = trainer.config
+    if not trainer.loggers or not trainer.is_global_zero or config.fast_dev_run or num_batches == math.inf:
+        return
+    epochs = config.resolved_max_epochs()
+    steps = math.ceil(num_batches / config.accumulate_grad_batches) * (epochs if epochs != -1 else math.inf)
+    if config.max_steps != -1:
+        steps = min(steps, config.max_steps)
+    if steps < config.log_every_n_steps:
+        warnings.warn(f"this fit takes {steps} optimizer steps, fewer than log_every_n_steps={config.log_every_n_steps}, "
+                      "so its loggers get no per-step values (epoch values are written); set log_every_n_steps lower "
+                      "to see them.", stacklevel=4)
 
 
 def _report_data_wait(trainer: Trainer, share: float, wait: float) -> None:
