@@ -54,6 +54,7 @@ FILES = {
     "typo_trainer.yaml": "trainer: {max_epoch: 3}\n",
     "no_model.yaml": "data: {class_path: recipes.digits.DigitsData}\n",
     "listed.yaml": "- trainer\n- model\n",
+    "utf16.yaml": "",  # written as UTF-16 by the fixture
 }
 
 # (argv after the subcommand, a piece of the one-line message)
@@ -91,6 +92,15 @@ BAD_INPUTS = [
     (["good.yaml", "ckpt_path=missing.ckpt"], "ckpt_path 'missing.ckpt' does not exist"),
     (["good.yaml", "model.init_args.lr=${oops"], "override 'model.init_args.lr=${oops': cannot parse the value"),
     (["good.yaml", "trainer=3"], "override 'trainer=3': 'trainer' must be a mapping of trainer options"),
+    (["utf16.yaml"], "utf16.yaml: not UTF-8 text (invalid start byte at byte 0); save it as UTF-8"),
+    (["folder.yaml"], "recipe file 'folder.yaml' is a folder; give a YAML file"),
+    (["good.yaml", "callbacks.0.init_args.filename={epoch}-{val/acc:.3f}"],
+     "the value is not valid YAML (did not find expected <document start> in \"<unicode string>\", line 1, column 8); "
+     "quote it: callbacks.0.init_args.filename=\"'{epoch}-{val/acc:.3f}'\""),
+    (["good.yaml", "callbacks.4.init_args.monitor=x"], "the recipe has 1 callback(s) (callbacks.0 to callbacks.0); an "
+     "override changes an entry, a new callback goes in a recipe file's callbacks list"),
+    (["good.yaml", "trainer.strategy={name: ps, stalenes: 4}"],
+     "strategy 'ps' has no option 'stalenes' (did you mean 'staleness', 'stale_gradients'?); its options: ps_servers,"),
 ]
 
 
@@ -98,6 +108,8 @@ BAD_INPUTS = [
 def recipes_here(tmp_path: Path, monkeypatch) -> Path:
     for name, text in {**FILES, **MODULES}.items():
         (tmp_path / name).write_text(text)
+    (tmp_path / "utf16.yaml").write_text("trainer:\n  max_epochs: 1\n", encoding="utf-16")
+    (tmp_path / "folder.yaml").mkdir()
     # `trainer` puts its working directory on sys.path (cli.main); tests that call load_recipe directly
     # need the same, and an import cache that has seen the new files.
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -113,6 +125,12 @@ def test_bad_input_is_one_line_exit_2_and_nothing_runs(recipes_here, capsys, arg
     assert err.startswith("trainer fit: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
     assert not (recipes_here / "runs").exists()
+
+
+def test_lightning_cli_style_options_are_answered_with_the_override_syntax(recipes_here, capsys):
+    assert main(["fit", "good.yaml", "--trainer.max_epochs=3"]) == 2
+    assert capsys.readouterr().err == ("trainer: error: '--trainer.max_epochs=3': overrides are written key=value, "
+                                       "without dashes: trainer.max_epochs=3\n")
 
 
 @pytest.mark.parametrize("argv", [["--verbose", "fit", "good.yaml", "trainer.devices=0"],

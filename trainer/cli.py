@@ -36,6 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # --verbose may stand anywhere, even between a recipe and its overrides, where argparse would
     # take it for the end of the positional arguments: read it here, let argparse document it.
     verbose = any(token in VERBOSE_FLAGS for token in argv)
+    dashed = next((token for token in argv if token.startswith("--") and "." in token.partition("=")[0]), None)
+    if dashed is not None:  # LightningCLI's spelling
+        print(f"trainer: error: {dashed!r}: overrides are written key=value, without dashes: "
+              f"{dashed[2:] if '=' in dashed else dashed[2:] + '=VALUE'}", file=sys.stderr)
+        return USAGE_ERROR
     try:
         args = build_parser().parse_args([token for token in argv if token not in VERBOSE_FLAGS])
     except SystemExit as exit_:  # argparse's own usage errors (status 2) and --help (status 0)

@@ -138,6 +138,8 @@ def is_override(token: str) -> bool:
 def read_recipe_file(path_text: str) -> DictConfig:
     """One recipe file as a DictConfig; missing files and YAML syntax errors say where."""
     path = Path(path_text)
+    if path.is_dir():
+        raise MisconfigurationError(f"recipe file {path_text!r} is a folder; give a YAML file.")
     if not path.is_file():
         if _KEY.fullmatch(path_text) and "." in path_text and path.suffix not in (".yaml", ".yml"):
             raise MisconfigurationError(f"{path_text!r} is neither a recipe file nor an override; write key=value, "
@@ -151,6 +153,9 @@ def read_recipe_file(path_text: str) -> DictConfig:
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         problem = " ".join(str(part) for part in (err.context, err.problem) if part)
         raise MisconfigurationError(f"{path_text}: YAML syntax error at {where}: {problem}; fix the YAML there.") from err
+    except UnicodeDecodeError as err:
+        raise MisconfigurationError(f"{path_text}: not UTF-8 text ({err.reason} at byte {err.start}); save it as "
+                                    "UTF-8 (a shell or editor may have written UTF-16).") from err
     if loaded is None or (isinstance(loaded, DictConfig) and not loaded):
         return OmegaConf.create({})
     if not isinstance(loaded, DictConfig):
@@ -215,7 +220,18 @@ def _apply_override(merged: DictConfig, token: str) -> None:
         reason = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
         raise MisconfigurationError(f"override {token!r}: cannot parse the value ({reason}); an interpolation "
                                     "reads ${other.key}, and \\${ is a literal '${'.") from err
-    layer = OmegaConf.create(_nest(key.split("."), value))
+    except yaml.YAMLError as err:  # the value is read as YAML: `{...}` is a mapping there, `a: b` one too
+        reason = " ".join(str(err).split())
+        raise MisconfigurationError(f"override {token!r}: the value is not valid YAML ({reason}); quote it: "
+                                    f"{key}=\"'{text}'\".") from err
+    parts = key.split(".")
+    if parts[0] == "callbacks" and len(parts) > 1 and parts[1].isdigit():
+        count = len(merged.get("callbacks") or [])
+        if int(parts[1]) >= count:
+            have = f"callbacks.0 to callbacks.{count - 1}" if count else "none"
+            raise MisconfigurationError(f"override {token!r}: the recipe has {count} callback(s) ({have}); an override "
+                                        "changes an entry, a new callback goes in a recipe file's callbacks list.")
+    layer = OmegaConf.create(_nest(parts, value))
     if "." not in key:  # a whole section (`trainer=3`) must have the section's shape
         _check_keys(layer, f"override {token!r}")
     _reset_changed_classes(merged, layer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,13 @@ def build_strategy(spec: str | Mapping[str, Any] | Strategy) -> Strategy:
         )
     module, _, class_name = STRATEGIES[name].partition(":")
     cls = getattr(importlib.import_module(module), class_name)
+    parameters = inspect.signature(cls).parameters.values()
+    known = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    for key in options:
+        if key not in known and not takes_any:
+            raise MisconfigurationError(f"strategy {name!r} has no option {key!r}{closest(key, known)}; its options: "
+                                        f"{', '.join(known) or 'none'}.")
     try:
         return cls(**options)
     except TypeError as err:
