@@ -13,6 +13,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from recipes import check_loader_args
 from trainer import DataModule, TrainModule
+from trainer.errors import MisconfigurationError
 
 
 class DigitsCNN(TrainModule):
@@ -76,7 +77,11 @@ class DigitsData(DataModule):
         self.val_set: TensorDataset | None = None
 
     def setup(self, stage: str) -> None:
-        from sklearn.datasets import load_digits  # scikit-learn ships the images: nothing to download
+        try:
+            from sklearn.datasets import load_digits  # scikit-learn ships the images: nothing to download
+        except ImportError:
+            raise MisconfigurationError(
+                "the digits recipes need scikit-learn, which ships their images: pip install 'trainer[recipes]'.") from None
 
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
