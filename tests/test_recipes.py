@@ -86,17 +86,19 @@ def test_digits_config_yaml_reruns_resumes_and_predicts(tmp_path):
     assert yaml.safe_load((second / "config.yaml").read_text()) == yaml.safe_load(config.read_text())
     assert_same_weights(first / "checkpoints" / "last.ckpt", second / "checkpoints" / "last.ckpt")
 
-    # ckpt_path=last resumes the newest run in its own folder, and ends where an uninterrupted run ends.
+    # ckpt_path=last with a run's config.yaml resumes that run (version_0, not the newest), in its own folder,
+    # and ends where an uninterrupted run ends.
     assert main(["fit", str(config), "trainer.max_epochs=2", "ckpt_path=last"]) == 0
     assert not (root / "version_2").exists()
-    assert {int(float(row["epoch"])) for row in val_rows(second)} == {0, 1}
+    assert {int(float(row["epoch"])) for row in val_rows(first)} == {0, 1}
+    assert {int(float(row["epoch"])) for row in val_rows(second)} == {0}
     assert main(["fit", DIGITS, *SHORT_DIGITS, "trainer.max_epochs=2", "trainer.name=straight"]) == 0
-    assert_same_weights(second / "checkpoints" / "last.ckpt", tmp_path / "runs" / "straight" / "version_0" / "checkpoints" / "last.ckpt")
+    assert_same_weights(first / "checkpoints" / "last.ckpt", tmp_path / "runs" / "straight" / "version_0" / "checkpoints" / "last.ckpt")
 
     # predict saves the predicted classes, which are the checkpoint's argmax over the validation images.
     assert main(["predict", str(config), "ckpt_path=last"]) == 0
     predictions = torch.cat(torch.load(root / "version_2" / "predictions.pt", weights_only=True))
-    model = DigitsCNN.load_from_checkpoint(second / "checkpoints" / "last.ckpt").eval()
+    model = DigitsCNN.load_from_checkpoint(first / "checkpoints" / "last.ckpt").eval()
     data = DigitsData()
     data.setup("predict")
     with torch.no_grad():

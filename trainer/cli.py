@@ -17,6 +17,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -125,16 +126,17 @@ def run_stage(args: argparse.Namespace) -> int:
     trainer = Trainer(callbacks=[spec.instantiate() for spec in recipe.callbacks], **recipe.trainer_options())
     trainer.run_config = recipe.to_dict(with_ckpt_path=False)  # config.yaml reruns; ckpt_path=last resumes
     datamodule, module = recipe.data.instantiate(), recipe.model.instantiate()
+    ckpt_path = _run_of_recipe(args.sources) if recipe.ckpt_path == "last" else None
     if args.command == "fit":
-        trainer.fit(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path)
     elif args.command == "predict":
-        _show_predictions(trainer.predict(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path), trainer)
+        _show_predictions(trainer.predict(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path), trainer)
     else:
         if recipe.ckpt_path is None:
             print(f"trainer {args.command}: note: no ckpt_path given; evaluating the model's initial weights.",
                   file=sys.stderr)
         run = trainer.validate if args.command == "validate" else trainer.test
-        run(module, datamodule=datamodule, ckpt_path=recipe.ckpt_path)  # prints the results table
+        run(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path)  # prints the results table
     return 0
 
 
@@ -173,6 +175,16 @@ def _import_from_cwd() -> None:
     # in the user's own modules next to them, as `python script.py` would find them.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+
+
+def _run_of_recipe(sources: Sequence[str]) -> Any:
+    """For `trainer fit <run>/config.yaml ckpt_path=last`: that run's checkpoints, not the newest run's."""
+    from trainer.resume import NewestCheckpoint
+
+    first = Path(sources[0]) if sources else None
+    if first is not None and first.name == "config.yaml" and (first.parent / "checkpoints").is_dir():
+        return NewestCheckpoint(first.parent / "checkpoints")
+    return None
 
 
 def _show_predictions(outputs: list[Any], trainer: Any) -> None:

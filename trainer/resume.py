@@ -24,12 +24,13 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 
-def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | None, stage: str = "fit") -> Path | NewestCheckpoint | None:
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint | None,
+                      stage: str = "fit") -> Path | NewestCheckpoint | None:
     """The file (or, for "last", the folder whose last.ckpt, else furthest-trained good file) a stage of `trainer`
     loads; clear errors for names that resolve to nothing. A fit given "last" with nothing to resume starts
     afresh with a warning, as in Lightning, so that a job requeued with "last" works on its first run too."""
-    if ckpt_path is None:
-        return None
+    if ckpt_path is None or isinstance(ckpt_path, NewestCheckpoint):  # the CLI's "last" of a given run
+        return ckpt_path
     if ckpt_path == "best":
         best = getattr(trainer.checkpoint_callback, "best_model_path", "")
         if not best:
