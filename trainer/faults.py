@@ -118,10 +118,12 @@ class StepGuard:
         self._last_exchange: float | None = None  # time.monotonic() of the last exchange
         self._previous_handlers: dict[int, Any] = {}
         self.received = signal.SIGTERM  # the signal this rank got first (a rank told by the others: SIGTERM)
-        # One process started by hand: a second Ctrl-C is the user insisting (see the module docstring).
-        self._second_sigint_stops = not strategy.environment.launched and strategy.world_size == 1
+        self._second_sigint_stops = False
 
     def __enter__(self) -> StepGuard:
+        strategy = self.trainer.strategy
+        # One process started by hand: a second Ctrl-C is the user insisting (see the module docstring).
+        self._second_sigint_stops = not strategy.environment.launched and strategy.world_size == 1
         if threading.current_thread() is threading.main_thread():  # signal.signal works there only
             self._previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
