@@ -14,10 +14,10 @@ A checkpoint is a plain dict that `torch.load(weights_only=True)` can read:
     rng              one entry per global rank (python, numpy, torch, cuda)
     hparams          the module's saved hyperparameters (also under Lightning's name, hyper_parameters)
     epoch, global_step  Lightning's top-level counters (the same as loops' progress)
-A weights-only checkpoint (`save_checkpoint(path, weights_only=True)`) holds version, epoch, global_step,
-state_dict and the hparams: enough to evaluate or load the model, not to resume a fit.
     hparams_repr     the hparams keys stored as their repr (values that are not plain data), which
                      load_from_checkpoint must be given again; absent from checkpoints written before it
+A weights-only checkpoint (`save_checkpoint(path, weights_only=True)`) holds version, epoch, global_step,
+state_dict and the hparams: enough to evaluate or load the model, not to resume a fit.
 """
 
 from __future__ import annotations
