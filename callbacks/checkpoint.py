@@ -171,12 +171,12 @@ class ModelCheckpoint(Callback):
 
     def _missing_monitor(self, trainer: Trainer, at_epoch_end: bool) -> str | None:
         """The error for a monitor that is still not logged when it should be; None (after a warning, once)
-        while it may yet appear, or when no validation runs that could log it (limit_val_batches=0)."""
+        while it may yet appear, or when validation, which would log it, is off (limit_val_batches=0)."""
         message = (f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
                    f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) or fix the name.")
         # Before the first validation a validation metric is legitimately absent; after it, it is a mistake.
         epoch_validated = (at_epoch_end and trainer.progress.epoch_done and trainer.config.check_val_every_n_epoch == 1
-                           and bool(trainer.val_dataloaders))
+                           and trainer.config.limit_val_batches != 0)
         if self._validation_ran or epoch_validated:
             return message
         if not self._warned_missing and trainer.is_global_zero:

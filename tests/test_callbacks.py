@@ -342,6 +342,14 @@ def test_missing_monitor_names_the_key_and_the_logged_keys(tmp_path):
     assert load(checkpoint.last_model_path)["loops"]["progress"]["global_step"] == 4
 
 
+def test_a_misspelled_monitor_in_a_fit_without_validation_is_an_error_after_last_ckpt_is_saved(tmp_path):
+    checkpoint = ModelCheckpoint(monitor="train_los", save_last=True)
+    with pytest.raises(MisconfigurationError, match=r"monitor='train_los'\) found no such logged metric; logged: "
+                                                    r"\['train_loss'\].*saved in .*last\.ckpt"):
+        make_trainer(tmp_path, [checkpoint], max_epochs=2).fit(Scripted(), loaders()[0])
+    assert checkpoint_names(checkpoint.dirpath) == {"last.ckpt"}
+
+
 def test_a_validation_monitor_with_validation_off_warns_and_keeps_last(tmp_path):
     checkpoint = ModelCheckpoint(monitor="val/score", save_last=True)
     trainer = make_trainer(tmp_path, [checkpoint], max_epochs=2, limit_val_batches=0)

@@ -457,6 +457,9 @@ def test_state_a_checkpoint_could_not_be_loaded_from_is_refused_when_saving(tmp_
                                                         rf"\['best'\] is a {kind}, which checkpoints cannot hold"):
             trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
         assert not list(tmp_path.rglob("*.ckpt"))
+    from trainer.checkpoint import unloadable
+
+    assert unloadable({"layout": torch.strided, "size": torch.Size([2]), "kind": torch.float16, "n": {1, 2}}) is None
     fine = BestSoFar(torch.tensor(0.5))
     Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[fine], **{**QUIET, "enable_checkpointing": True}).fit(
         DropoutRegressor(), DataLoader(regression_data(), batch_size=8))

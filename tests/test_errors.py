@@ -84,6 +84,7 @@ def test_empty_dataloader():
 def test_a_switch_given_a_string_is_refused(key):
     with pytest.raises(MisconfigurationError, match=f"trainer option {key}='false' must be True or False"):
         Trainer(**{key: "false"})
+    assert Trainer(deterministic="warn").config.deterministic is True  # Lightning's spelling of ours
 
 
 class Nothing(IterableDataset):

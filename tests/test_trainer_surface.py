@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -472,6 +473,9 @@ def test_training_does_not_depend_on_whether_a_sanity_check_ran():
         def forward(self, x):
             return self.layer(self.drop(x))
 
+        def on_validation_epoch_end(self):
+            torch.rand(1)  # a hook that draws from the global RNG too
+
     weights = []
     for sanity in (0, 2):
         torch.manual_seed(0)
@@ -480,6 +484,19 @@ def test_training_does_not_depend_on_whether_a_sanity_check_ran():
         Trainer(max_epochs=2, seed=1, num_sanity_val_steps=sanity, **QUIET).fit(module, loader(), val)
         weights.append(module.layer.weight.detach().clone())
     assert torch.equal(*weights)
+
+
+def test_a_ctrl_c_that_comes_after_the_last_step_still_stops_the_script():
+    class InterruptedInLastValidation(Counting):
+        def on_validation_start(self):
+            if self.trainer.current_epoch == 1:
+                os.kill(os.getpid(), signal.SIGINT)  # after the fit's last step boundary
+
+    handler = signal.getsignal(signal.SIGINT)
+    trainer = Trainer(max_epochs=2, num_sanity_val_steps=0, **QUIET)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(InterruptedInLastValidation(), loader(), loader())
+    assert trainer.global_step == 10 and signal.getsignal(signal.SIGINT) is handler
 
 
 def test_options_that_would_silently_do_nothing_are_refused():

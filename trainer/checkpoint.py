@@ -200,7 +200,8 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, 
     return checkpoint
 
 
-_LOADABLE = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
+_LOADABLE = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size,
+             torch.layout)
 
 
 def unloadable(value: Any, where: str = "") -> tuple[str, Any] | None:

@@ -45,7 +45,7 @@ class TrainerConfig:
     gradient_clip_algorithm: str = _opt("norm", "'norm' (global L2 norm) or 'value' (element-wise).")
     precision: str = _opt("32", f"One of {', '.join(PRECISIONS)} (Lightning's spellings '32-true', '16' and 'bf16' are taken as those).")
     seed: Any = _opt(None, "Seed python, numpy and torch on every rank; also seeds the data order (default order seed 0).")
-    deterministic: bool = _opt(False, "Ask torch for deterministic algorithms.")
+    deterministic: bool = _opt(False, "Ask torch for deterministic algorithms, warning where one has none (Lightning's 'warn').")
     default_root_dir: str = _opt("runs", "Runs land in <default_root_dir>/<name>/version_<n>/.")
     name: str = _opt("default", "The run name: the folder under default_root_dir.")
     logger: Any = _opt(True, "True or 'csv': CSV logger; 'tensorboard'; a list of those; False: none.")
@@ -101,6 +101,8 @@ def _need(condition: bool, message: str) -> None:
 
 def validate(config: TrainerConfig) -> None:
     """Check types and ranges of every option, with messages that say what to change."""
+    if config.deterministic == "warn":  # Lightning's spelling of what True does here
+        config.deterministic = True
     for key in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
         value = getattr(config, key)
         _need(isinstance(value, bool), f"trainer option {key}={value!r} must be True or False.")

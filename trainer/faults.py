@@ -136,6 +136,12 @@ class StepGuard:
         for sig, previous in self._previous_handlers.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous_handlers = {}
+        if self.signalled and exc_info[0] is None and self._second_sigint_stops:
+            # It came after the last step boundary, so nothing acted on it; the fit's end saved its checkpoints.
+            # The script must still stop rather than go on to its next stage (one process: no peer to wait for).
+            if self.received == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise Terminated(SIGTERM_EXIT_CODE)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.signalled:

@@ -116,8 +116,11 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             limit = min(config.num_sanity_val_steps, limit) if isinstance(limit, int) else config.num_sanity_val_steps
         trainer.sanity_checking = True
         trainer.call("on_sanity_check_start")
-        # Training does not depend on whether a sanity check ran, as in Lightning.
-        evaluation_loop(trainer, "validate", val_loaders, limit=limit, keep_rng=True)
+        # Its loaders and hooks draw from the global RNG (a worker seed, a shuffle): restored, so that training
+        # does not depend on whether a sanity check ran, as in Lightning.
+        saved = rng_state()
+        evaluation_loop(trainer, "validate", val_loaders, limit=limit)
+        set_rng_state(saved)
         trainer.call("on_sanity_check_end")
         trainer.sanity_checking = False
 
@@ -303,13 +306,14 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
                     keep_rng: bool = False) -> list[dict[str, float]]:
     """Forward-only passes over `loaders` ('validate' or 'test'); the epoch metrics logged, one dict per loader.
 
-    `keep_rng`: for a validation that the run's training must not notice (a sanity check, the one at a
-    max_steps stop), the global RNG its loaders and steps draw from is given back after its batches, before
-    the end hooks, where a checkpoint may be saved.
+    `keep_rng`: for a validation that the run's training must not notice (the one at a max_steps stop), the
+    global RNG that its start hooks, loaders and steps draw from is given back after its batches, before the
+    end hooks, where a checkpoint may be saved.
 
     With several loaders, as in Lightning, the step gets each batch's `dataloader_idx` and what it logs is
     named `<name>/dataloader_idx_<i>`, so the loaders' values stay apart.
     """
+    saved_rng = rng_state() if keep_rng else None
     hook = "validation" if stage == "validate" else "test"
     step_name = f"{hook}_step"
     strategy, module = trainer.strategy, trainer.module
@@ -323,7 +327,6 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
     grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
     for dataloader_idx, loader in enumerate(loaders):
         _check_every_rank_evaluates(loader, limit, hook, dataloader_idx if several else None)
-    saved_rng = rng_state() if keep_rng else None
     with grad_mode:
         for dataloader_idx, loader in enumerate(loaders):
             num_batches = batch_limit(loader, limit)
