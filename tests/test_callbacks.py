@@ -274,11 +274,14 @@ def test_weights_only_checkpoints_evaluate_and_load_but_do_not_resume(tmp_path):
 
     trainer.test(module, loaders()[1], ckpt_path="best")  # evaluation needs the weights alone
     assert torch.equal(module.layer.weight, best["state_dict"]["layer.weight"])
+    evaluated = Scripted([0.0] * 4)
+    trainer.validate(evaluated, loaders()[1], ckpt_path="last")  # "last" finds weights-only files for evaluation
+    assert torch.equal(evaluated.layer.weight, last["state_dict"]["layer.weight"])
     assert torch.equal(Scripted.load_from_checkpoint(checkpoint.last_model_path).layer.weight, last["state_dict"]["layer.weight"])
 
     with pytest.raises(CheckpointError, match="holds only the model's weights .* a fit cannot resume from it"):
         make_trainer(tmp_path, max_epochs=4).fit(Scripted([0.3] * 4), *loaders(), ckpt_path=checkpoint.last_model_path)
-    with pytest.raises(CheckpointError, match='ckpt_path="last": no checkpoint in .* can be resumed from'):
+    with pytest.raises(CheckpointError, match='ckpt_path="last": no checkpoint in .* can be used: .*weights-only ones'):
         make_trainer(tmp_path, max_epochs=4).fit(Scripted([0.3] * 4), *loaders(), ckpt_path="last")
 
 

@@ -266,6 +266,23 @@ def test_last_means_last_ckpt_even_where_an_abandoned_branch_trained_further(tmp
     assert counted.batches == 5 and resumed.global_step == 15  # the branch's third epoch, not step 15's file
 
 
+def test_a_stale_last_ckpt_gives_way_to_newer_files_trained_further(tmp_path):
+    from callbacks import ModelCheckpoint
+    from trainer.resume import ranked_checkpoints
+
+    trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=2, logger=False, **{**QUIET, "enable_checkpointing": True},
+                      callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
+    trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
+    folder = Path(trainer.checkpoint_callback.dirpath)
+    # As a SIGTERM leaves it when the files written after the resume that followed do not update it.
+    stale = folder / "last.ckpt"
+    stale.write_bytes((folder / "epoch=0-step=2.ckpt").read_bytes())
+    os.utime(stale, ns=(stale.stat().st_mtime_ns - 10**11,) * 2)
+    assert ranked_checkpoints([folder])[0][0].name == "epoch=1-step=10.ckpt"
+    os.utime(stale, ns=(stale.stat().st_mtime_ns + 10**12,) * 2)  # now the newest file: the run's latest state
+    assert ranked_checkpoints([folder])[0][0].name == "last.ckpt"
+
+
 def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
     from callbacks import ModelCheckpoint
     from trainer.logging import CSVLogger

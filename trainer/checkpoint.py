@@ -120,12 +120,15 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
     return checkpoint
 
 
-def saved_position(path: Path) -> tuple[int, int, int] | None:
+def saved_position(path: Path, resumable: bool = True) -> tuple[int, int, int] | None:
     """How far the run had trained when `path` was saved (global step, epochs done, batches into the next),
-    read without reading its tensors; None for a checkpoint that holds no position. A file that does not load
-    raises CheckpointError, saying why."""
-    progress = load_checkpoint_file(path, mmap=True).get("loops", {}).get("progress")
+    read without reading its tensors; None for a checkpoint that holds no position, or (`resumable`) that no
+    fit can resume from (weights-only). A file that does not load raises CheckpointError, saying why."""
+    checkpoint = load_checkpoint_file(path, mmap=True)
+    progress = checkpoint.get("loops", {}).get("progress") if isinstance(checkpoint.get("loops"), dict) else None
     try:
+        if progress is None and not resumable:  # a weights-only file: Lightning's top-level counters
+            return int(checkpoint["global_step"]), int(checkpoint["epoch"]), 0
         done = bool(progress["epoch_done"])
         return int(progress["global_step"]), int(progress["epoch"]) + done, 0 if done else int(progress["epoch_batches"])
     except (KeyError, TypeError, ValueError):

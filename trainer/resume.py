@@ -1,10 +1,12 @@
 """Which checkpoint a stage starts from: `ckpt_path` ("best", "last" or a file) and, after an elastic
-restart, the furthest-trained good checkpoint of the run.
+restart, the run's latest good checkpoint.
 
-`ckpt_path="last"` and an elastic restart take the furthest-trained checkpoint of a run's folder that loads
-(by the step saved in it, not the file's time): a truncated or corrupt file is skipped with a warning naming
-it, and the previous one is used. Before a Trainer has run, "last" is the newest last.ckpt among the runs
-of its name (a new Trainer resuming an interrupted run); once it has run, only its own run's checkpoints count.
+`ckpt_path="last"` and an elastic restart take the best checkpoint of a run's folder that loads: its
+last.ckpt when that is the newest file there, else the furthest-trained one (by the step saved in it);
+ranked_checkpoints says why. A truncated or corrupt file is skipped with a warning naming it, and the next
+one is used. Before a Trainer has run, "last" is the newest last.ckpt among the runs of its name and its
+ModelCheckpoints' folders (a new Trainer resuming an interrupted run); once it has run, only its own run's
+checkpoints count.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
 
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint | None,
                       stage: str = "fit") -> Path | NewestCheckpoint | None:
-    """The file (or, for "last", the folder whose last.ckpt, else furthest-trained good file) a stage of `trainer`
+    """The file (or, for "last", the folder whose best good file, ranked_checkpoints) a stage of `trainer`
     loads; clear errors for names that resolve to nothing. A fit given "last" with nothing to resume starts
     afresh with a warning, as in Lightning, so that a job requeued with "last" works on its first run too."""
     if ckpt_path is None or isinstance(ckpt_path, NewestCheckpoint):  # the CLI's "last" of a given run
@@ -39,7 +41,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint
     if ckpt_path == "last":
         found = _last_checkpoint_folder(trainer)
         if found is not None:
-            # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's furthest-trained good one.
+            # Chosen where it is loaded: a corrupt last.ckpt gives way to that folder's next good one.
             return NewestCheckpoint(found)
         if trainer.module is not None:
             folder = getattr(trainer.checkpoint_callback, "dirpath", None)
@@ -72,7 +74,7 @@ def _last_checkpoint_places(trainer: Trainer) -> list[tuple[Path, str]]:
 
 
 def _last_checkpoint_folder(trainer: Trainer) -> Path | None:
-    """The folder whose last.ckpt (else furthest-trained good checkpoint) "last" means; which file that is,
+    """The folder whose best good checkpoint "last" means; which file that is,
     load_newest decides where the checkpoint is loaded (ranking reads every file's counters: once is enough)."""
     own = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if own and Path(own).is_file():
@@ -86,19 +88,22 @@ def _last_checkpoint_folder(trainer: Trainer) -> Path | None:
 
 @dataclass(frozen=True)
 class NewestCheckpoint:
-    """`ckpt_path="last"`: `folder`'s last.ckpt, else its furthest-trained checkpoint that loads, chosen where
-    it is loaded."""
+    """`ckpt_path="last"`: `folder`'s best checkpoint that loads (ranked_checkpoints), chosen where it is loaded."""
 
     folder: Path
 
 
-def ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[CheckpointError]]:
-    """The *.ckpt files under `folders` that read, last.ckpt (and last-v1.ckpt, ...) first, as in Lightning: it is
-    the run's latest state even where the folder holds files trained further (a resume from an earlier
-    checkpoint went on from there); then by the position saved in them, furthest first (a file's time says
-    nothing once a folder was copied or touched), then the newest file. Also why each of those that do not
-    read does not."""
-    ranked: dict[Path, tuple[bool, tuple[int, ...], int, Path]] = {}
+def ranked_checkpoints(folders: Iterable[Path], resumable: bool = True) -> tuple[list[Path], list[CheckpointError]]:
+    """The *.ckpt files under `folders` that read (and, with `resumable`, that a fit can resume from: not
+    weights-only), best first, and why each of those that do not read does not.
+
+    last.ckpt (or last-v1.ckpt, ...) comes first when it is the newest file, as Lightning's "last" means:
+    the run's latest state even where files trained further lie beside it (a resume from an earlier
+    checkpoint went on from there). Otherwise (it is stale: written by a SIGTERM, say, with newer top-k files
+    since) the position saved in each file decides, furthest first (a file's time says little once a folder
+    was copied or touched), then last.ckpt, then the newest file.
+    """
+    found: dict[Path, tuple[tuple[int, ...], bool, int, Path]] = {}
     unreadable: dict[Path, CheckpointError] = {}
     for folder in folders:
         for path in Path(folder).rglob("*.ckpt") if Path(folder).is_dir() else ():
@@ -107,21 +112,23 @@ def ranked_checkpoints(folders: Iterable[Path]) -> tuple[list[Path], list[Checkp
             except OSError:
                 continue  # removed while we looked (a top-k eviction)
             try:
-                position = saved_position(path)
+                position = saved_position(path, resumable)
             except CheckpointError as err:  # what is wrong with it, in the loader's words
                 unreadable[path.resolve()] = err
                 continue
             if position is not None:
-                ranked[path.resolve()] = (path.stem.startswith("last"), position, modified, path)
-    return [path for *_, path in sorted(ranked.values(), reverse=True)], list(unreadable.values())
+                found[path.resolve()] = (position, path.stem.startswith("last"), modified, path)
+    newest = max((modified for *_, modified, _ in found.values()), default=None)
+    ranked = sorted(found.values(), key=lambda entry: (entry[1] and entry[2] == newest, *entry[:3]), reverse=True)
+    return [path for *_, path in ranked], list(unreadable.values())
 
 
-def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict[str, Any]] | None:
-    """Rank 0 picks the furthest-trained loadable checkpoint in `folders`, warning about every file that does
-    not load (it may have held later steps); every rank loads the choice."""
+def load_newest(strategy: Strategy, folders: Iterable[Path], resumable: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0 picks the best loadable checkpoint in `folders` (ranked_checkpoints), warning about every file that
+    does not load (it may have held later steps); every rank loads the choice."""
     choice, checkpoint = None, None
     if strategy.is_global_zero:
-        readable, skipped = ranked_checkpoints(folders)
+        readable, skipped = ranked_checkpoints(folders, resumable)
         for path in readable:
             try:
                 checkpoint = strategy.load_checkpoint(path)
@@ -131,7 +138,7 @@ def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict
             choice = str(path)
             break
         for err in skipped:
-            instead = f"resuming from {choice!r} instead" if choice else "no other checkpoint loads either"
+            instead = f"using {choice!r} instead" if choice else "no other checkpoint loads either"
             warnings.warn(f"{err} Skipped it: {instead}.", stacklevel=3)
     choice = strategy.broadcast(choice)
     if choice is None:
@@ -141,17 +148,18 @@ def load_newest(strategy: Strategy, folders: Iterable[Path]) -> tuple[Path, dict
     return Path(choice), checkpoint
 
 
-def load_resume_checkpoint(strategy: Strategy, ckpt: Path | NewestCheckpoint | None) -> dict[str, Any] | None:
-    """The checkpoint a stage starts from: a given file (errors are the user's to see) or the newest good one."""
+def load_resume_checkpoint(strategy: Strategy, ckpt: Path | NewestCheckpoint | None, stage: str = "fit") -> dict[str, Any] | None:
+    """The checkpoint a stage starts from: a given file (errors are the user's to see) or the best good one
+    ("last"; a fit needs one it can resume from, an evaluation only weights)."""
     if ckpt is None:
         return None
     if not isinstance(ckpt, NewestCheckpoint):
         return strategy.load_checkpoint(ckpt)
-    found = load_newest(strategy, [ckpt.folder])
+    found = load_newest(strategy, [ckpt.folder], resumable=stage == "fit")
     if found is None:
-        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be resumed from: those that '
-                              "do not read are warned about above, and weights-only ones (save_weights_only=True) "
-                              "hold no training state.")
+        hint = ", and weights-only ones (save_weights_only=True) hold no training state" if stage == "fit" else ""
+        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be used: those that do not '
+                              f"read are warned about above{hint}.")
     return found[1]
 
 

@@ -436,7 +436,7 @@ class Trainer:
         # A failed stage's unfinished rows are not this one's.
         self._step_row, self._row_written_early, self._epoch_row = None, False, None
         try:
-            checkpoint = load_resume_checkpoint(strategy, ckpt)
+            checkpoint = load_resume_checkpoint(strategy, ckpt, stage)
             self._setup_loggers(checkpoint if stage == "fit" else None)
             prepared = stage_loaders(strategy, stage, module, datamodule, loaders, self.config.seed or 0,
                                      checkpoint.get("datamodule") if checkpoint is not None else None)
