@@ -80,12 +80,18 @@ class ModelCheckpoint(Callback):
     def state_key(self) -> str:
         settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
                     "every_n_epochs": self.every_n_epochs}
-        # Lightning's key leaves these out, so that two callbacks keeping the best 1 and the best 3 by one
-        # monitor collide; here they are told apart by where and under which names they save.
+        # Lightning's key leaves it out, so that two callbacks keeping the best 1 and the best 3 by one monitor
+        # collide; here they are told apart by the names they save under. (Not by the folder: a resume that
+        # moves it keeps best_model_path, see load_state_dict.)
         if self.filename != "{epoch}-{step}":
             settings["filename"] = self.filename
-        if self._dirpath_arg is not None:
-            settings["dirpath"] = str(self._dirpath_arg)
+        return f"{type(self).__qualname__}{settings!r}"
+
+    @property
+    def legacy_state_key(self) -> str:
+        """The key checkpoints written before state_key named the filename hold this callback's state under."""
+        settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
+                    "every_n_epochs": self.every_n_epochs}
         return f"{type(self).__qualname__}{settings!r}"
 
     # ------------------------------------------------------------------ when to save

@@ -301,6 +301,27 @@ def test_two_checkpoint_callbacks_on_one_monitor_keep_their_own_files_across_a_r
     assert sorted(Path(p).name for p in second[1].best_k_models) == ["top3-epoch=2.ckpt", "top3-epoch=3.ckpt", "top3-epoch=4.ckpt"]
 
 
+def test_a_checkpoint_from_before_the_filename_joined_the_state_key_still_restores_its_state(tmp_path):
+    def callback():
+        return ModelCheckpoint(monitor="val/score", save_top_k=2, filename="best-{epoch}", save_last=True)
+
+    first = callback()
+    make_trainer(tmp_path, [first], max_epochs=3).fit(Scripted([0.5, 0.4, 0.3]), *loaders())
+    saved = load(first.last_model_path)
+    saved["callbacks"] = {first.legacy_state_key: saved["callbacks"][first.state_key]}  # the old layout
+    torch.save(saved, tmp_path / "old.ckpt")
+    second = callback()
+    make_trainer(tmp_path, [second], max_epochs=4).fit(Scripted([0.5, 0.4, 0.3, 0.2]), *loaders(), ckpt_path=tmp_path / "old.ckpt")
+    assert sorted(Path(p).name for p in second.best_k_models) == ["best-epoch=2.ckpt", "best-epoch=3.ckpt"]
+
+    class Counter(Callback):
+        def state_dict(self):
+            return {"n": 1}
+
+    with pytest.warns(UserWarning, match=r"the checkpoint holds no state for the callback .*Counter .*starts afresh"):
+        make_trainer(tmp_path, [Counter()], max_epochs=4).fit(Scripted([0.0] * 4), *loaders(), ckpt_path=tmp_path / "old.ckpt")
+
+
 def test_callbacks_whose_states_would_share_a_checkpoint_entry_are_refused():
     class Counter(Callback):
         def __init__(self):

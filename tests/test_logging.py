@@ -4,6 +4,7 @@ batch size), on_step/on_epoch naming, and what the CSV logger writes."""
 from __future__ import annotations
 
 import csv
+import os
 import warnings
 
 import numpy as np
@@ -485,6 +486,18 @@ def test_a_fit_too_short_for_its_logging_interval_says_so(datasets, tmp_path):
         warnings.simplefilter("error")
         fit(log_every_n_steps=3)
         fit(logger=False)
+
+
+def test_a_torchrun_jobs_folder_is_the_one_its_run_id_marked_last(tmp_path):
+    from trainer.logging import RUN_ID_FILE, version_of_job
+
+    for version, when in (("version_0", 1_000), ("version_1", 2_000), ("version_2", 3_000)):
+        (tmp_path / "exp" / version).mkdir(parents=True)
+        marker = tmp_path / "exp" / version / RUN_ID_FILE
+        marker.write_text("reused-id" if version != "version_2" else "other-id")
+        os.utime(marker, ns=(when * 10**9,) * 2)
+    assert version_of_job(tmp_path, "exp", "reused-id") == 1  # the newer of the two jobs that reused the id
+    assert version_of_job(tmp_path, "exp", "other-id") == 2 and version_of_job(tmp_path, "exp", "unseen") is None
 
 
 def test_half_precision_step_values_are_float32_as_in_lightning():

@@ -238,15 +238,20 @@ RUN_ID_FILE = ".elastic_run_id"  # in a version folder: the torchrun job whose a
 
 
 def version_of_job(save_dir: str | Path, name: str, run_id: str) -> int | str | None:
-    """The version under `<save_dir>/<name>` whose folder an earlier attempt of torchrun job `run_id` marked."""
-    for folder in (Path(save_dir) / name).glob("*/" + RUN_ID_FILE):
+    """The version under `<save_dir>/<name>` whose folder an earlier attempt of torchrun job `run_id` marked: the
+    most recently marked one, as a reused --rdzv-id may have marked an older job's folder too."""
+    marked = []
+    for marker in (Path(save_dir) / name).glob("*/" + RUN_ID_FILE):
         try:
-            if folder.read_text().strip() == run_id:
-                number = re.fullmatch(r"version_(\d+)", folder.parent.name)
-                return int(number.group(1)) if number else folder.parent.name
+            if marker.read_text().strip() == run_id:
+                marked.append((marker.stat().st_mtime_ns, marker.parent.name))
         except OSError:
             continue
-    return None
+    if not marked:
+        return None
+    folder = max(marked)[1]
+    number = re.fullmatch(r"version_(\d+)", folder)
+    return int(number.group(1)) if number else folder
 
 
 def run_folder(save_dir: str | Path, name: str) -> str:

@@ -614,7 +614,7 @@ def _check_state_keys(callbacks: list[Callback]) -> None:
             raise MisconfigurationError(
                 f"two {type(callback).__name__} callbacks have the same state_key {callback.state_key!r}, so a "
                 "checkpoint could keep only one of their states; give them different settings (for ModelCheckpoint: "
-                "monitor, mode, filename or dirpath), or override state_key."
+                "monitor, mode or filename), or override state_key."
             )
 
 
