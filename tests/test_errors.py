@@ -85,6 +85,8 @@ def test_a_switch_given_a_string_is_refused(key):
     with pytest.raises(MisconfigurationError, match=f"trainer option {key}='false' must be True or False"):
         Trainer(**{key: "false"})
     assert Trainer(deterministic="warn").config.deterministic is True  # Lightning's spelling of ours
+    expected = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert Trainer(devices="auto").config.devices == expected  # Lightning's default
 
 
 class Nothing(IterableDataset):

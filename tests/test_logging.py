@@ -521,6 +521,13 @@ def test_several_loaders_name_step_and_epoch_values_as_lightning_does(datasets):
                                                      [DataLoader(val, batch_size=8), DataLoader(train, batch_size=8)])
     assert results == [{"vl_epoch/dataloader_idx_0": 1.0}, {"vl_epoch/dataloader_idx_1": 11.0}]
 
+    def own_names(module, batch, batch_idx, dataloader_idx):  # Lightning's add_dataloader_idx=False
+        module.log(f"vl{dataloader_idx}", float(dataloader_idx * 10 + 1), add_dataloader_idx=False, rank_zero_only=True)
+
+    results = Trainer(**QUIET, logger=False).validate(Probe({"validation_step": own_names}),
+                                                     [DataLoader(val, batch_size=8), DataLoader(train, batch_size=8)])
+    assert results == [{"vl0": 1.0, "vl1": 11.0}] * 2  # no suffix, so neither name says which loader it is
+
 
 def test_plateau_schedulers_see_what_on_train_epoch_end_logged(datasets, tmp_path):
     scores = iter([1.0, 2.0, 3.0])

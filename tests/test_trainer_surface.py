@@ -499,6 +499,83 @@ def test_a_ctrl_c_that_comes_after_the_last_step_still_stops_the_script():
     assert trainer.global_step == 10 and signal.getsignal(signal.SIGINT) is handler
 
 
+def test_lightning_calls_and_names_port_unchanged(tmp_path):
+    """The forms Lightning's docs and tutorials use: model=, a DataModule in the loaders' place, steps without
+    batch_idx, estimated_stepping_batches for OneCycleLR, module.logger/print/freeze/all_gather, and Lightning's
+    names for the Trainer's settings."""
+    class Tutorial(Counting):
+        def training_step(self, batch):  # no batch_idx, as in Lightning's GAN tutorial
+            return super().training_step(batch, None)
+
+        def validation_step(self, batch):
+            self.calls["val"] += 1
+            self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+            self.total_steps = self.trainer.estimated_stepping_batches
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=self.total_steps)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    class Data(DataModule):
+        def train_dataloader(self):
+            return loader(samples=20)
+
+        def val_dataloader(self):
+            return loader(samples=8)
+
+        def test_dataloader(self):
+            return loader(samples=8)
+
+    module = Tutorial()
+    trainer = Trainer(max_epochs=3, accumulate_grad_batches=2, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
+                      **{**QUIET, "logger": True})
+    trainer.fit(model=module, train_dataloaders=Data())  # Lightning's keyword, and a DataModule in the loaders' place
+    assert module.total_steps == 3 * 3 == trainer.global_step  # 5 batches, accumulated in 2s: 3 steps an epoch
+    assert module.calls == {"train": 15, "val": 3 * 2, "test": 0, "predict": 0}
+    assert trainer.test(module, Data(), verbose=False)[0].keys() == {"test_loss"}
+    assert trainer.predict(model=module, dataloaders=loader(samples=4))[0].shape == (4, 1)  # loaders beat the fit's datamodule
+    assert module.logger is trainer.logger is trainer.loggers[0] and module.loggers == trainer.loggers
+    assert (trainer.lightning_module, trainer.model, trainer.precision, trainer.accumulate_grad_batches) == (module, module, "32", 2)
+    assert trainer.num_val_batches == [2] and trainer.default_root_dir == str(tmp_path)
+    assert torch.equal(module.all_gather(torch.ones(2)), torch.ones(2))  # one process: unchanged
+    module.freeze()
+    assert not module.training and not any(p.requires_grad for p in module.parameters())
+    module.unfreeze()
+    assert module.training and all(p.requires_grad for p in module.parameters())
+    with pytest.raises(MisconfigurationError, match="pass the module once"):
+        trainer.fit(Counting(), loader(), module=Counting())
+
+
+def test_lightning_hooks_this_trainer_does_not_call_are_refused_not_ignored():
+    class WarmUp(Counting):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            optimizer.step(closure=optimizer_closure)
+
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            return batch
+
+    with pytest.raises(MisconfigurationError, match=r"WarmUp defines optimizer_step, transfer_batch_to_device, Lightning "
+                                                    r"hook\(s\) this Trainer does not call, so they would silently do nothing. "
+                                                    r"Instead: optimizer_step: for a learning-rate warm-up"):
+        Trainer(**QUIET).fit(WarmUp(), loader())
+
+
+def test_callbacks_see_this_epochs_values_and_no_graph_in_evaluation_hooks():
+    seen = []
+
+    class Reader(Callback):
+        def on_validation_epoch_end(self, trainer, module):
+            seen.append((trainer.current_epoch, float(trainer.callback_metrics["val_loss"]), torch.is_grad_enabled()))
+
+    class Logged(Counting):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", float(self.current_epoch))  # a value that tells the epochs apart
+
+    Trainer(max_epochs=2, num_sanity_val_steps=0, callbacks=[Reader()], **QUIET).fit(Logged(), loader(), loader())
+    assert seen == [(0, 0.0, False), (1, 1.0, False)]
+
+
 def test_options_that_would_silently_do_nothing_are_refused():
     class NoTestStep(Counting):
         test_step = TrainModule.test_step

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer.errors import MisconfigurationError, closest
 from trainer.faults import NONFINITE_MODES
 from trainer.logging import Logger
@@ -56,7 +58,7 @@ class TrainerConfig:
     fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
     accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
     strategy: Any = _opt("auto", "'single', 'dp', 'ddp', 'pipeline', 'ps', or {name: ..., options...}.")
-    devices: int = _opt(1, "Devices (processes for ddp) per node.")
+    devices: int = _opt(1, "Devices (processes for ddp) per node; 'auto': every GPU when on GPUs, else 1.")
     num_nodes: int = _opt(1, "Number of nodes.")
     lr_scaling: str = _opt("none", f"Scale learning rates by the data-parallel size: {', '.join(LR_SCALINGS)}.")
     lr_warmup_steps: int = _opt(0, "Steps of linear warm-up from the base to the scaled learning rate.")
@@ -103,6 +105,9 @@ def validate(config: TrainerConfig) -> None:
     """Check types and ranges of every option, with messages that say what to change."""
     if config.deterministic == "warn":  # Lightning's spelling of what True does here
         config.deterministic = True
+    if config.devices == "auto":  # Lightning's default: every GPU where the run uses them, else one process
+        gpus = config.accelerator in ("cuda", "gpu") or (config.accelerator == "auto" and torch.cuda.is_available())
+        config.devices = max(1, torch.cuda.device_count()) if gpus else 1
     for key in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
         value = getattr(config, key)
         _need(isinstance(value, bool), f"trainer option {key}={value!r} must be True or False.")

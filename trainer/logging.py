@@ -87,11 +87,11 @@ class MetricCollector:
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
-            batch_size: int | None = None) -> None:
+            batch_size: int | None = None, add_dataloader_idx: bool = True) -> None:
         """Record one value; defaults follow Lightning (train steps: on_step; eval and epoch hooks: on_epoch)."""
         if reduce_fx not in REDUCE_FXS:
             raise MisconfigurationError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
-        if self.name_suffix:
+        if self.name_suffix and add_dataloader_idx:
             name += self.name_suffix
         step_default = self.in_step and self.stage == "train"
         on_step = step_default if on_step is None else on_step

@@ -318,16 +318,16 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
     step_name = f"{hook}_step"
     strategy, module = trainer.strategy, trainer.module
     several = _check_several_loaders(module, step_name, loaders)
+    for dataloader_idx, loader in enumerate(loaders):
+        _check_every_rank_evaluates(loader, limit, hook, dataloader_idx if several else None)
     saved_stage = trainer.metrics.stage
     trainer.metrics.stage, trainer.metrics.in_step = hook, False
     module.eval()
-    trainer.call(f"on_{hook}_start")
-    trainer.call(f"on_{hook}_epoch_start")
-    trainer.metrics.in_step = True
-    grad_mode = torch.inference_mode() if trainer.config.inference_mode else torch.no_grad()
-    for dataloader_idx, loader in enumerate(loaders):
-        _check_every_rank_evaluates(loader, limit, hook, dataloader_idx if several else None)
-    with grad_mode:
+    # Hooks included, as in Lightning: what they compute from the model needs no graph either.
+    with torch.inference_mode() if trainer.config.inference_mode else torch.no_grad():
+        trainer.call(f"on_{hook}_start")
+        trainer.call(f"on_{hook}_epoch_start")
+        trainer.metrics.in_step = True
         for dataloader_idx, loader in enumerate(loaders):
             num_batches = batch_limit(loader, limit)
             trainer.metrics.name_suffix = f"/dataloader_idx_{dataloader_idx}" if several else ""
@@ -340,12 +340,15 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
                 outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx if several else None)
                 trainer.call(f"on_{hook}_batch_end", outputs, batch, batch_idx, dataloader_idx)
                 trainer.write_eval_step_metrics()
-    if saved_rng is not None:
-        set_rng_state(saved_rng)
-    trainer.metrics.in_step, trainer.metrics.name_suffix = False, ""
-    trainer.call(f"on_{hook}_epoch_end")
-    results = trainer.publish_epoch_metrics(log=not trainer.sanity_checking)
-    trainer.call(f"on_{hook}_end")
+        if saved_rng is not None:
+            set_rng_state(saved_rng)
+        trainer.metrics.in_step, trainer.metrics.name_suffix = False, ""
+        # As in Lightning, the epoch-end hooks see this epoch's values in callback_metrics; what they log
+        # joins the same row.
+        results = trainer.publish_epoch_metrics(log=not trainer.sanity_checking, write=False)
+        trainer.call(f"on_{hook}_epoch_end")
+        results.update(trainer.publish_epoch_metrics(log=not trainer.sanity_checking))
+        trainer.call(f"on_{hook}_end")
     trainer.metrics.reset_metrics()
     trainer.metrics.stage = saved_stage
     if not several:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from trainer.errors import CheckpointError, MisconfigurationError, closest
 from trainer.optim import CLIP_ALGORITHMS
@@ -174,12 +175,19 @@ class TrainModule(HyperparametersMixin, nn.Module):
         reduce_fx: str = "mean",
         sync_dist: bool = False,
         batch_size: int | None = None,
+        rank_zero_only: bool = False,
+        add_dataloader_idx: bool = True,
     ) -> None:
-        """Record a scalar or torchmetrics Metric; the trainer aggregates, reduces and writes it."""
+        """Record a scalar or torchmetrics Metric; the trainer aggregates, reduces and writes it.
+
+        As in Lightning, `rank_zero_only` marks a value logged on rank 0 alone (never synced: the other ranks
+        would wait for it), and `add_dataloader_idx=False` keeps the name without `/dataloader_idx_<i>`
+        (then each loader must log its own names)."""
         metrics = self._trainer.metrics if self._trainer is not None else None
         if metrics is None:
             return  # called outside fit/validate/test: nothing collects, as in Lightning
-        metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+        metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist and not rank_zero_only,
+                    batch_size, add_dataloader_idx)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """`self.log` for each item."""
@@ -220,6 +228,45 @@ class TrainModule(HyperparametersMixin, nn.Module):
     @property
     def global_step(self) -> int:
         return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def logger(self) -> Any:
+        """The trainer's first logger (None without one or without a trainer), as in Lightning."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self._trainer.loggers if self._trainer is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on global rank 0 only, as Lightning's self.print."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
+    def freeze(self) -> None:
+        """No gradients for any parameter, and eval mode (for inference or a frozen backbone)."""
+        for parameter in self.parameters():
+            parameter.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Undo freeze(): gradients for every parameter, and train mode."""
+        for parameter in self.parameters():
+            parameter.requires_grad = True
+        self.train()
+
+    def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
+        """`data` (a tensor, or a nested container of them) from every process, each tensor stacked along a new
+        first dimension of size world_size; unchanged on one process. Not differentiable."""
+        if sync_grads:
+            raise MisconfigurationError("all_gather(sync_grads=True) is not supported: the gathered values carry no gradient.")
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return data
+        host = pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, data)
+        gathered = trainer.strategy.all_gather_object(host)
+        return pytree.tree_map(lambda *ts: torch.stack(ts).to(self.device) if isinstance(ts[0], torch.Tensor) else list(ts),
+                               *gathered)
 
     # ----------------------------------------------------------------- manual optimization
     def optimizers(self) -> Any:

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 
-def seed_everything(seed: int, deterministic: bool = False) -> int:
-    """Seed python, numpy and torch (all devices); optionally ask torch for deterministic kernels."""
+def seed_everything(seed: int, deterministic: bool = False, workers: bool = True) -> int:
+    """Seed python, numpy and torch (all devices); optionally ask torch for deterministic kernels.
+    DataLoader workers are always seeded from it (`workers` is Lightning's switch for that, taken as given)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from trainer.logging import (
     version_folder,
     version_of_job,
 )
-from trainer.loop import Progress, evaluation_loop, fit_loop, predict_loop
+from trainer.loop import Progress, batch_limit, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule
 from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, parse_optimizers
 from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
@@ -182,6 +183,50 @@ class Trainer:
         return self.loggers[0] if self.loggers else None
 
     @property
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps this fit takes in all (math.inf when unbounded), for schedules such as
+        OneCycleLR(total_steps=...): batches per epoch over accumulation, times max_epochs, capped by max_steps."""
+        epochs = self.config.resolved_max_epochs()
+        per_epoch = self.num_training_batches
+        per_epoch = math.ceil(per_epoch / self.config.accumulate_grad_batches) if per_epoch != math.inf else math.inf
+        total = per_epoch * epochs if epochs != -1 else math.inf
+        return min(total, self.config.max_steps) if self.config.max_steps != -1 else total
+
+    @property
+    def num_val_batches(self) -> list[int | float]:
+        """Batches each validation loader runs (with limit_val_batches), as in Lightning."""
+        return [batch_limit(loader, self.config.limit_val_batches) for loader in self.val_dataloaders]
+
+    # Lightning's names for what this Trainer holds under its own.
+    @property
+    def lightning_module(self) -> TrainModule | None:
+        return self.module
+
+    model = lightning_module
+
+    @property
+    def default_root_dir(self) -> str:
+        return self.config.default_root_dir
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        return self.config.accumulate_grad_batches
+
+    @property
+    def log_every_n_steps(self) -> int:
+        return self.config.log_every_n_steps
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        from callbacks import EarlyStopping
+
+        return next((c for c in self.callbacks if isinstance(c, EarlyStopping)), None)
+
+    @property
     def log_dir(self) -> Path:
         """This run's folder: `<default_root_dir>/<name>/version_<n>`."""
         if self.loggers:
@@ -317,37 +362,49 @@ class Trainer:
                 logger.log_metrics(floats, step)
 
     # ------------------------------------------------------------------ entry points
-    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> None:
-        """Train `module`; afterwards it holds the trained weights, whatever the strategy."""
+    # The entry points take Lightning's names and argument order (`model`, a DataModule in the dataloaders
+    # slot), so that calls with positional or keyword arguments port too; `module=` is this framework's name.
+    def fit(self, model: TrainModule | None = None, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: DataModule | None = None, ckpt_path: str | Path | None = None, *,
+            module: TrainModule | None = None) -> None:
+        """Train `model`; afterwards it holds the trained weights, whatever the strategy."""
+        module = _one_module(model, module)
+        train_dataloaders, datamodule = _datamodule_given_as_loaders(train_dataloaders, datamodule)
         self._check_inputs(module, datamodule, "fit", train_dataloaders)
         ckpt = resolve_ckpt_path(self, ckpt_path, "fit")
         self._dispatch("fit", module, datamodule, ckpt, train_dataloaders, val_dataloaders)
 
-    # validate/test take Lightning's argument order, so that calls with positional arguments port too.
-    def validate(self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
-                 verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+    def validate(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+                 verbose: bool = True, datamodule: DataModule | None = None, *,
+                 module: TrainModule | None = None) -> list[dict[str, float]]:
         """Run validation once; returns the logged epoch metrics, one dict per loader (`verbose`: also prints them)."""
-        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path, verbose)
+        return self._evaluate("validate", _one_module(model, module), dataloaders, datamodule, ckpt_path, verbose)
 
-    def test(self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
-             verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+    def test(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+             verbose: bool = True, datamodule: DataModule | None = None, *,
+             module: TrainModule | None = None) -> list[dict[str, float]]:
         """Run the test set once; returns the logged epoch metrics, one dict per loader (`verbose`: also prints them)."""
-        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path, verbose)
+        return self._evaluate("test", _one_module(model, module), dataloaders, datamodule, ckpt_path, verbose)
 
-    def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
-                datamodule: DataModule | None = None, ckpt_path: str | Path | None = None) -> list[Any]:
-        """predict_step over every batch; a list of outputs (a list per loader when there are several)."""
+    def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
+                datamodule: DataModule | None = None, return_predictions: bool | None = None,
+                ckpt_path: str | Path | None = None, *, module: TrainModule | None = None) -> list[Any]:
+        """predict_step over every batch; a list of outputs (a list per loader when there are several).
+        `return_predictions` is Lightning's; predictions are always returned here."""
+        module = _one_module(model, module)
         ckpt_path = self._default_ckpt_path("predict", module, ckpt_path, calls_below_user=1)
         module = module or self.module
-        self._check_inputs(module, datamodule or self.datamodule, "predict", dataloaders)
-        result = self._dispatch("predict", module, datamodule or self.datamodule, resolve_ckpt_path(self, ckpt_path, "predict"), dataloaders)
+        dataloaders, datamodule = _datamodule_given_as_loaders(dataloaders, datamodule)
+        datamodule = datamodule or (self.datamodule if dataloaders is None else None)
+        self._check_inputs(module, datamodule, "predict", dataloaders)
+        result = self._dispatch("predict", module, datamodule, resolve_ckpt_path(self, ckpt_path, "predict"), dataloaders)
         return result[0] if len(result) == 1 else result
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
                   ckpt_path: str | Path | None, verbose: bool) -> list[dict[str, float]]:
         ckpt_path = self._default_ckpt_path(stage, module, ckpt_path, calls_below_user=2)
         module = module or self.module
+        dataloaders, datamodule = _datamodule_given_as_loaders(dataloaders, datamodule)
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         self._check_inputs(module, datamodule, stage, dataloaders)
         results = self._dispatch(stage, module, datamodule, resolve_ckpt_path(self, ckpt_path, stage), dataloaders)
@@ -371,6 +428,7 @@ class Trainer:
             got = "no module" if module is None else type(module).__name__
             raise MisconfigurationError(f"Trainer.{stage} needs a TrainModule; got {got}.")
         self.strategy.check_module(module, stage)
+        _check_no_uncalled_lightning_hooks(module)
         if stage == "fit" and type(module).configure_optimizers is TrainModule.configure_optimizers:
             module.configure_optimizers()  # raises the explanatory error
         if stage == "fit" and not module.automatic_optimization:
@@ -442,6 +500,9 @@ class Trainer:
                                      checkpoint.get("datamodule") if checkpoint is not None else None)
             strategy.setup_module(module)
             if stage == "fit":
+                # Known before configure_optimizers, which may read estimated_stepping_batches (OneCycleLR).
+                self.train_dataloader = prepared[0]
+                self.num_training_batches = batch_limit(prepared[0], self.config.limit_train_batches)
                 self._setup_optimizers(module)
             for callback in self.callbacks:
                 callback.setup(self, module, stage)
@@ -600,6 +661,48 @@ Trainer.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined
 
 
 _EPOCH_SUFFIX = re.compile(r"_epoch(?=$|/dataloader_idx_\d+$)")
+
+
+#: LightningModule hooks this Trainer does not call, with what to do instead: overridden, they would do nothing.
+_UNCALLED_LIGHTNING_HOOKS = {
+    "optimizer_step": "for a learning-rate warm-up use a scheduler or Trainer(lr_warmup_steps=...); to step yourself, "
+                      "set automatic_optimization = False",
+    "optimizer_zero_grad": "gradients are zeroed (set to None) after every optimizer step",
+    "lr_scheduler_step": "the Trainer calls scheduler.step() (with the monitored value for ReduceLROnPlateau)",
+    "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip in "
+                                   "on_before_optimizer_step",
+    "configure_callbacks": "pass them to Trainer(callbacks=[...])",
+    "on_before_batch_transfer": "change batches in the DataLoader's collate_fn, or at the top of the step",
+    "on_after_batch_transfer": "change batches at the top of the step",
+    "transfer_batch_to_device": "batches of tensors, lists, tuples and dicts are moved for you; move others in the step",
+    "configure_model": "build layers in __init__ or setup(stage)",
+    "configure_sharded_model": "build layers in __init__ or setup(stage)",
+    "backward": "use on_before_backward / on_after_backward, or manual optimization with self.manual_backward",
+}
+
+
+def _check_no_uncalled_lightning_hooks(module: TrainModule) -> None:
+    overridden = [name for name in _UNCALLED_LIGHTNING_HOOKS if callable(getattr(type(module), name, None))]
+    if overridden:
+        advice = "; ".join(f"{name}: {_UNCALLED_LIGHTNING_HOOKS[name]}" for name in overridden)
+        raise MisconfigurationError(
+            f"{type(module).__name__} defines {', '.join(overridden)}, Lightning hook(s) this Trainer does not call, so "
+            f"they would silently do nothing. Instead: {advice}.")
+
+
+def _one_module(model: TrainModule | None, module: TrainModule | None) -> TrainModule | None:
+    if model is not None and module is not None and model is not module:
+        raise MisconfigurationError("pass the module once: as model (Lightning's name) or as module.")
+    return model if model is not None else module
+
+
+def _datamodule_given_as_loaders(loaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
+    """Lightning takes a DataModule in the dataloaders' place (`trainer.fit(model, dm)`): (loaders, datamodule)."""
+    if not isinstance(loaders, DataModule):
+        return loaders, datamodule
+    if datamodule is not None:
+        raise MisconfigurationError("a DataModule was given as the dataloaders and another as datamodule; pass one.")
+    return None, loaders
 
 
 def _check_state_keys(callbacks: list[Callback]) -> None:

@@ -8,6 +8,8 @@ file that subclasses Strategy plus one line in strategies/__init__.py.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -49,7 +51,23 @@ class StepDispatcher(nn.Module):
         self.module = module
 
     def forward(self, step_name: str, *args: Any) -> Any:
-        return getattr(self.module, step_name)(*args)
+        return run_step(self.module, step_name, *args)
+
+
+def run_step(module: nn.Module, step_name: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
+    """The module's `step_name` on (batch, batch_idx, ...), leaving batch_idx out where the step takes none, as
+    Lightning does (`def training_step(self, batch):` is common)."""
+    step = getattr(module, step_name)
+    return step(batch, batch_idx, *rest) if _takes_batch_idx(type(module), step_name) else step(batch, *rest)
+
+
+@functools.cache
+def _takes_batch_idx(cls: type, step_name: str) -> bool:
+    try:
+        inspect.signature(getattr(cls, step_name)).bind(None, None, 0)  # self, batch, batch_idx
+    except TypeError:
+        return False
+    return True
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -186,9 +204,9 @@ class Strategy:
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Run the user's training_step under autocast (through the wrapper, if any)."""
         if not self.precision.mixed:  # the per-step path: no context to enter and leave
-            return self.module.training_step(batch, batch_idx)
+            return run_step(self.module, "training_step", batch, batch_idx)
         with self.precision.autocast():
-            return self.module.training_step(batch, batch_idx)
+            return run_step(self.module, "training_step", batch, batch_idx)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward with the precision's scaling."""
@@ -214,9 +232,9 @@ class Strategy:
     def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         """validation_step / test_step / predict_step under autocast, forward only; `dataloader_idx` is passed
         on (None: a single loader, whose steps get none)."""
-        args = (batch, batch_idx) if dataloader_idx is None else (batch, batch_idx, dataloader_idx)
+        rest = () if dataloader_idx is None else (dataloader_idx,)
         with self.precision.autocast():
-            return getattr(self.module, step_name)(*args)
+            return run_step(self.module, step_name, batch, batch_idx, *rest)
 
     def no_backward_sync(self) -> contextlib.AbstractContextManager:
         """A context whose backward passes skip gradient synchronisation (micro-batches that accumulate)."""
