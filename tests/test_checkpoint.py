@@ -316,6 +316,31 @@ def test_fit_from_last_with_nothing_saved_starts_afresh_and_says_so(tmp_path):
             DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path="last")
 
 
+def test_a_mid_epoch_checkpoint_of_a_loader_that_cannot_skip_resumes_by_running_the_epoch_again(tmp_path):
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):  # no sampler to skip with: its batches come as they are read
+        def __iter__(self):
+            return iter(regression_data(20))
+
+    def run(callbacks, **options):
+        torch.manual_seed(0)
+        trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=2, logger=False, callbacks=callbacks, **QUIET, **options)
+        trainer.fit(DropoutRegressor(), DataLoader(Stream(), batch_size=4))
+        return trainer
+
+    ckpt = tmp_path / "mid.ckpt"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run([SaveAt(ckpt, step=2, crash_at_step=3)])
+    counted = BatchCount()
+    torch.manual_seed(0)
+    trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=2, logger=False, callbacks=[counted], **QUIET)
+    with pytest.warns(UserWarning, match="cannot skip the 2 batches of epoch 0 trained before the checkpoint, so the "
+                                         "epoch starts over"):
+        trainer.fit(DropoutRegressor(), DataLoader(Stream(), batch_size=4), ckpt_path=ckpt)
+    assert counted.batches == 5 + 5 and trainer.global_step == 2 + 10  # epoch 0 whole again, then epoch 1
+
+
 def test_a_mid_epoch_resume_on_another_number_of_processes_continues_after_the_samples_trained(tmp_path):
     ckpt = tmp_path / "mid.ckpt"
     fit(tmp_path / "saved", [SaveAt(ckpt, step=2)], max_epochs=1)

@@ -132,7 +132,13 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         module.train()
         set_epoch(train_loader, progress.epoch)
         if not skip_batches(train_loader, progress.epoch_batches):
-            raise MisconfigurationError("this dataloader cannot resume mid-epoch; checkpoint at epoch ends instead.")
+            # A loader whose batches are dealt as they are asked for (async ps) cannot start mid-epoch: the epoch
+            # runs again from its start rather than the saved run being refused (as Lightning does too).
+            if trainer.is_global_zero:
+                warnings.warn(f"this training dataloader cannot skip the {progress.epoch_batches} batches of epoch "
+                              f"{progress.epoch} trained before the checkpoint, so the epoch starts over and trains them "
+                              "again; checkpoints at epoch ends resume exactly.", stacklevel=2)
+            progress.epoch_batches = progress.validated_batches = 0
         trainer.metrics.stage, trainer.metrics.in_step = "train", False
         trainer.call("on_train_epoch_start")
         trainer.metrics.in_step = True

@@ -57,12 +57,12 @@ class Trainer:
         # Validated here, in the calling process, before any worker starts.
         self.strategy: Strategy = build_strategy(self.config.strategy)
         self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
-        self.strategy.check_config(self.config)
         self.strategy.timeout = float(self.config.timeout)
         self.loggers: list[Logger] = self._build_loggers(self.config.logger)
         # One callback alone is accepted as Lightning accepts it.
         given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
         self.callbacks: list[Callback] = self._with_default_callbacks(given)
+        self.strategy.check_config(self.config, self.callbacks)
         self.progress = Progress()
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None

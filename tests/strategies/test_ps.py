@@ -10,6 +10,7 @@ rules (rounds, staleness bound, stale gradients, batch claims) are checked in-pr
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -316,6 +317,13 @@ def test_options_through_the_registry_and_their_errors():
                                                     r"strategy='ps' with dynamic_batches"):
         Trainer(strategy="ps", devices=3, accelerator="cpu", limit_train_batches=0.5)
     Trainer(strategy={"name": "ps", "staleness": 0}, devices=3, accelerator="cpu", limit_train_batches=0.5)
+    # Workers that claim their own batches count different steps: a collective every n of them would hang.
+    for options in ({"callbacks": [ModelCheckpoint(every_n_train_steps=4)]}, {"val_check_interval": 10},
+                    {"val_check_interval": 0.5}):
+        what = "ModelCheckpoint(every_n_train_steps=4)" if "callbacks" in options else f"val_check_interval={options['val_check_interval']}"
+        with pytest.raises(MisconfigurationError, match=rf"{re.escape(what)} needs every process to reach the same steps"):
+            Trainer(strategy="ps", devices=3, accelerator="cpu", **options)
+        Trainer(strategy={"name": "ps", "staleness": 0}, devices=3, accelerator="cpu", **options)
 
 
 def test_synchronous_ps_says_once_that_it_clips_each_workers_gradient_before_the_average():

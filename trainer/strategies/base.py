@@ -179,8 +179,8 @@ class Strategy:
     def data_parallel_rank(self) -> int:
         return self.global_rank
 
-    def check_config(self, config: TrainerConfig) -> None:
-        """Refuse, when the Trainer is built, options this strategy cannot run with."""
+    def check_config(self, config: TrainerConfig, callbacks: list[Any]) -> None:
+        """Refuse, when the Trainer is built, options (and callbacks) this strategy cannot run with."""
 
     # ------------------------------------------------------------------ the model
     def check_module(self, module: TrainModule, stage: str) -> None:

@@ -237,13 +237,13 @@ class ParameterServerStrategy(Strategy):
         """On a server: answer the workers until every process of the job has finished, then leave."""
         if not self.is_server:
             return False
-        with _sigterm_deferred() as sigterm:
+        with _stop_signals_deferred() as received:
             try:
                 self._leave_rpc(graceful=True)  # a graceful shutdown keeps answering until all ranks reach it
             finally:
                 stop_serving()
-        if sigterm.is_set():
-            raise faults.Terminated(faults.SIGTERM_EXIT_CODE)  # stopped with the workers, as they were told to
+        if received:
+            raise faults.Terminated(128 + received[0])  # stopped with the workers, as they were told to
         return True
 
     def teardown(self) -> None:
@@ -307,15 +307,26 @@ class ParameterServerStrategy(Strategy):
             self._client.refresh()
         return super().eval_step(step_name, batch, batch_idx, dataloader_idx)
 
-    def check_config(self, config: TrainerConfig) -> None:
+    def check_config(self, config: TrainerConfig, callbacks: list[Any]) -> None:
+        if not self.dynamic_batches:
+            return
         # Claimed batches have no length, known only as the epoch runs out: a fraction of one means nothing.
-        options = [(name, getattr(config, name)) for name in ("limit_train_batches", "val_check_interval")]
-        fractions = [(name, value) for name, value in options if isinstance(value, float) and value not in (0.0, 1.0)]
-        if self.dynamic_batches and fractions:
-            name, value = fractions[0]
+        if isinstance(config.limit_train_batches, float) and config.limit_train_batches not in (0.0, 1.0):
             raise MisconfigurationError(
-                f"{name}={value} is a fraction of an epoch, but strategy='ps' with dynamic_batches (staleness=None) "
-                "gives its workers batches as they ask, so an epoch has no length; give a batch count (an int).")
+                f"limit_train_batches={config.limit_train_batches} is a fraction of an epoch, but strategy='ps' with "
+                "dynamic_batches (staleness=None) gives its workers batches as they ask, so an epoch has no length; "
+                "give a batch count (an int).")
+        # Each worker counts its own batches and steps, and they differ; a validation or a checkpoint every n of
+        # them is a collective that the workers would reach different numbers of times, and wait forever.
+        every_n = [f"{type(c).__name__}(every_n_train_steps={c.every_n_train_steps})" for c in callbacks
+                   if getattr(c, "every_n_train_steps", 0)]
+        if not (isinstance(config.val_check_interval, float) and config.val_check_interval == 1.0):  # int 1: every batch
+            every_n.append(f"val_check_interval={config.val_check_interval}")
+        if every_n:
+            raise MisconfigurationError(
+                f"{every_n[0]} needs every process to reach the same steps, but strategy='ps' with dynamic_batches "
+                "(staleness=None) lets each worker train as many batches as it claims; validate and checkpoint at "
+                "epoch ends (every_n_epochs, val_check_interval=1.0), or give the ps strategy staleness=0.")
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
         """Clip this worker's gradient before it is pushed: the servers average clipped gradients, where ddp
@@ -400,18 +411,21 @@ def _summary(reports: list[dict[str, int]], policy: str) -> str:
 
 
 @contextlib.contextmanager
-def _sigterm_deferred() -> Iterator[threading.Event]:
-    """While a server answers, SIGTERM only marks that it came: the workers, told too, save a checkpoint,
-    which reads the parameters from the servers, before everyone leaves."""
-    received = threading.Event()
+def _stop_signals_deferred() -> Iterator[list[int]]:
+    """While a server answers, SIGTERM and SIGINT (Ctrl-C) only mark that they came (the list holds their
+    numbers): the workers, told too, save a checkpoint, which reads the parameters from the servers, before
+    everyone leaves."""
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
         yield received
         return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.set())
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in signals}
     try:
         yield received
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
