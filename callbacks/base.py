@@ -55,6 +55,11 @@ class Callback:
         """What this callback needs to continue after a resume (plain containers and tensors only)."""
         return {}
 
+    @property
+    def has_state(self) -> bool:
+        """Whether checkpoints hold anything of this callback's (its class overrides state_dict)."""
+        return type(self).state_dict is not Callback.state_dict
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
 

@@ -78,20 +78,19 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
-                    "every_n_epochs": self.every_n_epochs}
-        # Lightning's key leaves it out, so that two callbacks keeping the best 1 and the best 3 by one monitor
-        # collide; here they are told apart by the names they save under. (Not by the folder: a resume that
-        # moves it keeps best_model_path, see load_state_dict.)
-        if self.filename != "{epoch}-{step}":
-            settings["filename"] = self.filename
-        return f"{type(self).__qualname__}{settings!r}"
+        # Lightning's key leaves the filename out, so that two callbacks keeping the best 1 and the best 3 by one
+        # monitor collide; here they are told apart by the names they save under. (Not by the folder: a resume
+        # that moves it keeps best_model_path, see load_state_dict.)
+        return self._key(filename=self.filename) if self.filename != "{epoch}-{step}" else self._key()
 
     @property
     def legacy_state_key(self) -> str:
         """The key checkpoints written before state_key named the filename hold this callback's state under."""
+        return self._key()
+
+    def _key(self, **more: Any) -> str:
         settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
-                    "every_n_epochs": self.every_n_epochs}
+                    "every_n_epochs": self.every_n_epochs, **more}
         return f"{type(self).__qualname__}{settings!r}"
 
     # ------------------------------------------------------------------ when to save

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from callbacks.base import Callback
 from trainer.errors import CheckpointError, MisconfigurationError
 from trainer.logging import run_folder
 from trainer.rng import rng_state, set_rng_state
@@ -301,7 +300,7 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
         key = next((k for k in (callback.state_key, getattr(callback, "legacy_state_key", None)) if k in saved), None)
         if key is not None:
             callback.load_state_dict(saved[key])
-        elif type(callback).state_dict is not Callback.state_dict and trainer.is_global_zero:
+        elif callback.has_state and trainer.is_global_zero:
             warnings.warn(f"the checkpoint holds no state for the callback {callback.state_key} (it was saved without "
                           "it, or with other settings), so it starts afresh.", stacklevel=2)
     if trainer.datamodule is not None:  # again: an elastic restart's checkpoint came after the loaders were built

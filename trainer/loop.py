@@ -98,11 +98,10 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     config, progress, module = trainer.config, trainer.progress, trainer.module
     guard = guard or StepGuard(trainer)
     train_step = TrainStep(trainer, guard)
-    num_batches = batch_limit(train_loader, config.limit_train_batches)
+    num_batches = trainer.num_training_batches  # counted with the loader, before configure_optimizers (Trainer._run)
     if num_batches == 0:
         raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
-    trainer.train_dataloader, trainer.num_training_batches = train_loader, num_batches
-    _warn_if_no_step_is_logged(trainer, num_batches)
+    _warn_if_no_step_is_logged(trainer)
     if config.limit_val_batches == 0:
         val_loaders = []  # validation turned off, sanity check included, as in Lightning
     trainer.val_dataloaders = val_loaders
@@ -201,15 +200,12 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     trainer.call("on_train_end")
 
 
-def _warn_if_no_step_is_logged(trainer: Trainer, num_batches: int | float) -> None:
+def _warn_if_no_step_is_logged(trainer: Trainer) -> None:
     """As Lightning does: a fit shorter than log_every_n_steps writes no per-step row, which looks like a bug."""
     config = trainer.config
-    if not trainer.loggers or not trainer.is_global_zero or config.fast_dev_run or num_batches == math.inf:
+    if not trainer.loggers or not trainer.is_global_zero or config.fast_dev_run:
         return
-    epochs = config.resolved_max_epochs()
-    steps = math.ceil(num_batches / config.accumulate_grad_batches) * (epochs if epochs != -1 else math.inf)
-    if config.max_steps != -1:
-        steps = min(steps, config.max_steps)
+    steps = trainer.estimated_stepping_batches
     if steps < config.log_every_n_steps:
         warnings.warn(f"this fit takes {steps} optimizer steps, fewer than log_every_n_steps={config.log_every_n_steps}, "
                       "so its loggers get no per-step values (epoch values are written); set log_every_n_steps lower "

@@ -710,7 +710,7 @@ def _check_state_keys(callbacks: list[Callback]) -> None:
     and a resume gives it to both (two ModelCheckpoints would then evict each other's files)."""
     seen: dict[str, Callback] = {}
     for callback in callbacks:
-        if type(callback).state_dict is Callback.state_dict:
+        if not callback.has_state:
             continue  # nothing saved, nothing to mix up
         other = seen.setdefault(callback.state_key, callback)
         if other is not callback:

@@ -148,16 +148,21 @@ Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False).fit(Line(), 
 """
 
 
-@pytest.mark.timeout(120)
-def test_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
-    script = tmp_path / "unguarded.py"
-    script.write_text(UNGUARDED)
+def refused_script(tmp_path: Path, name: str, text: str) -> tuple[str, Path]:
+    """Run the script `text`, which must fail before any worker starts: (its output's last line, its path)."""
+    script = tmp_path / name
+    script.write_text(text)
     [(code, output, _)] = launch([([sys.executable, str(script)], {})], tmp_path)
     assert code != 0
-    last = output.strip().splitlines()[-1]
+    assert "run_worker" not in output  # no worker ever ran
+    return output.strip().splitlines()[-1], script
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
+    last, _ = refused_script(tmp_path, "unguarded.py", UNGUARDED)
     assert last.startswith("trainer.errors.MisconfigurationError: ") and "unguarded.py:8 starts a 2-process job" in last
     assert 'if __name__ == "__main__":' in last
-    assert "run_worker" not in output  # no worker ever ran
 
 
 GUARDED_CLASS = """
@@ -177,12 +182,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 def test_a_module_class_defined_under_the_main_guard_is_refused_before_any_worker_starts(tmp_path):
-    script = tmp_path / "guarded_class.py"
-    script.write_text(GUARDED_CLASS)
-    [(code, output, _)] = launch([([sys.executable, str(script)], {})], tmp_path)
-    assert code != 0
-    last = output.strip().splitlines()[-1]
+    last, script = refused_script(tmp_path, "guarded_class.py", GUARDED_CLASS)
     assert last == (f'trainer.errors.MisconfigurationError: Local is defined inside `if __name__ == "__main__":` of '
                     f"{script}, but the worker processes import the script without running that block; define it "
                     "above the guard.")
-    assert "run_worker" not in output  # no worker ever ran
