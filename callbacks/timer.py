@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
+from trainer.config import parse_duration
 from trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
@@ -15,38 +15,6 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 STAGES = ("train", "validate", "test")
-_DHMS = re.compile(r"^\s*(\d+):(\d+):(\d+):(\d+)\s*$")
-
-
-def parse_duration(duration: Any) -> float | None:
-    """Seconds from None, a number of seconds, a timedelta, a dict of timedelta arguments or "DD:HH:MM:SS"."""
-    if duration is None:
-        return None
-    seconds: float
-    if isinstance(duration, timedelta):
-        seconds = duration.total_seconds()
-    elif isinstance(duration, dict):
-        try:
-            seconds = timedelta(**duration).total_seconds()
-        except TypeError as err:
-            raise MisconfigurationError(
-                f"Timer(duration={duration!r}): a dict takes timedelta arguments (days, hours, minutes, seconds, ...)."
-            ) from err
-    elif isinstance(duration, str):
-        match = _DHMS.match(duration)
-        if match is None:
-            raise MisconfigurationError(f"Timer(duration={duration!r}): a string must read 'DD:HH:MM:SS', e.g. '00:12:00:00'.")
-        days, hours, minutes, secs = (int(group) for group in match.groups())
-        seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
-    elif isinstance(duration, (int, float)) and not isinstance(duration, bool):
-        seconds = float(duration)
-    else:
-        raise MisconfigurationError(
-            f"Timer(duration={duration!r}): use seconds, a timedelta, a dict like {{'hours': 2}} or 'DD:HH:MM:SS'."
-        )
-    if seconds < 0:
-        raise MisconfigurationError(f"Timer(duration={duration!r}) is negative; give a time budget >= 0.")
-    return seconds
 
 
 class Timer(Callback):
@@ -59,7 +27,7 @@ class Timer(Callback):
     def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True) -> None:
         if interval not in ("step", "epoch"):
             raise MisconfigurationError(f"Timer(interval={interval!r}) is not known; use 'step' or 'epoch'.")
-        self.duration = parse_duration(duration)
+        self.duration = parse_duration(duration, f"Timer(duration={duration!r})")
         self.interval, self.verbose = interval, verbose
         self._start: dict[str, float] = {}
         self._end: dict[str, float] = {}

@@ -28,8 +28,8 @@ from callbacks import (
     RichProgressBar,
     Timer,
 )
-from callbacks.timer import parse_duration
 from trainer import Trainer, TrainModule
+from trainer.config import parse_duration
 from trainer.errors import CheckpointError, MisconfigurationError
 
 BATCHES_PER_EPOCH = 4
@@ -515,6 +515,29 @@ def test_timer_stops_a_run(tmp_path):
     # It ran on while the budget lasted and stopped after the first step that spent it.
     assert all(reading < budget for reading in recorder.readings[:-1])
     assert timer.time_elapsed("train") >= budget
+
+
+def test_max_time_stops_a_run_as_a_timer_does(tmp_path):
+    budget = 0.03
+    trainer = make_trainer(tmp_path, max_time={"seconds": budget}, max_epochs=1000)
+    timer = next(c for c in trainer.callbacks if isinstance(c, Timer))
+    recorder = ElapsedRecorder(timer)
+    trainer.callbacks.insert(0, recorder)
+    trainer.fit(Scripted(sleep=0.005), *loaders())
+    assert trainer.should_stop and trainer.global_step == len(recorder.readings)
+    assert all(reading < budget for reading in recorder.readings[:-1]) and timer.time_elapsed("train") >= budget
+
+
+@pytest.mark.parametrize("max_time, message", [("1:30", r"max_time='1:30': a string must read 'DD:HH:MM:SS'"),
+                                               (-5, "max_time=-5 is negative"), (True, "max_time=True: use seconds")])
+def test_max_time_refuses_what_is_not_a_duration(max_time, message):
+    with pytest.raises(MisconfigurationError, match=message):
+        Trainer(max_time=max_time)
+
+
+def test_max_time_and_a_timer_callback_are_refused_together():
+    with pytest.raises(MisconfigurationError, match="max_time and a Timer callback both time the run"):
+        Trainer(max_time="00:01:00:00", callbacks=[Timer()])
 
 
 @pytest.mark.parametrize("interval, steps", [("step", 1), ("epoch", BATCHES_PER_EPOCH)])

@@ -170,6 +170,70 @@ def test_reduce_lr_on_plateau_reads_its_monitored_metric():
     assert learning_rate(trainer) == 0.25
 
 
+class StepwiseHalving:
+    """A scheduler of another library's kind (timm's): not torch's, and its step takes the step count."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.steps_seen = optimizer, []
+
+    def step(self, step_count):
+        self.steps_seen.append(step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.5 ** step_count
+
+    def state_dict(self):
+        return {"steps_seen": list(self.steps_seen)}
+
+    def load_state_dict(self, state):
+        self.steps_seen = list(state["steps_seen"])
+
+
+def test_lr_scheduler_step_steps_schedulers_of_other_kinds_and_sees_plateau_metrics(tmp_path):
+    class Custom(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def training_step(self, batch, batch_idx):
+            self.log("flat", 1.0, on_step=False, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            optimizer, still = torch.optim.SGD(self.parameters(), lr=1.0), torch.optim.SGD(self.parameters(), lr=0.0)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(still, patience=0, factor=0.5)
+            return ({"optimizer": optimizer, "lr_scheduler": {"scheduler": StepwiseHalving(optimizer), "interval": "step"}},
+                    {"optimizer": still, "lr_scheduler": plateau, "monitor": "flat"})
+
+        def lr_scheduler_step(self, scheduler, metric):
+            self.calls.append((type(scheduler).__name__, metric))
+            if isinstance(scheduler, StepwiseHalving):
+                scheduler.step(self.global_step)
+            else:
+                super().lr_scheduler_step(scheduler, metric)
+
+        # Two optimizers under automatic optimization each step every batch, which is what this test needs.
+
+    module = Custom()
+    trainer = Trainer(max_epochs=2, default_root_dir=str(tmp_path), **{**QUIET, "enable_checkpointing": True})
+    trainer.fit(module, data())
+    stepwise = trainer.lr_scheduler_configs[0].scheduler
+    assert stepwise.steps_seen == list(range(1, 9)) and learning_rate(trainer) == 0.5**8  # 4 batches x 2 epochs
+    assert module.calls.count(("StepwiseHalving", None)) == 8 and module.calls.count(("ReduceLROnPlateau", 1.0)) == 2
+    resumed = Custom()
+    trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), **{**QUIET, "enable_checkpointing": True})
+    trainer.fit(resumed, data(), ckpt_path="last")
+    assert trainer.lr_scheduler_configs[0].scheduler.steps_seen == list(range(1, 13))  # its state came back
+
+    class NotStepped(Regressor):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+            return optimizer, StepwiseHalving(optimizer)
+
+    with pytest.raises(MisconfigurationError, match=r"the scheduler StepwiseHalving is not one of torch's.*define "
+                                                    r"NotStepped.lr_scheduler_step\(self, scheduler, metric\)"):
+        Trainer(max_epochs=1, **QUIET).fit(NotStepped(), data())
+
+
 class TwoOptimizers(Regressor):
     automatic_optimization = False
 

@@ -561,6 +561,65 @@ def test_lightning_hooks_this_trainer_does_not_call_are_refused_not_ignored():
         Trainer(**QUIET).fit(WarmUp(), loader())
 
 
+def test_configure_callbacks_replaces_the_trainers_callbacks_of_the_same_type_once_per_module(tmp_path):
+    class Configured(Counting):
+        def __init__(self):
+            super().__init__()
+            self.configured = 0
+
+        def configure_callbacks(self):
+            self.configured += 1
+            return [ModelCheckpoint(dirpath=str(tmp_path / "mine"), monitor="val_loss", save_top_k=1),
+                    EarlyStopping(monitor="val_loss", patience=0, min_delta=1e9)]  # no epoch improves that much
+
+    given = CountValidations()
+    trainer = Trainer(**{**QUIET, "enable_checkpointing": True}, default_root_dir=str(tmp_path), max_epochs=5,
+                      callbacks=[given, ModelCheckpoint(dirpath=str(tmp_path / "default"))])
+    module = Configured()
+    trainer.fit(module, loader(), loader(8))
+    kinds = [type(c) for c in trainer.callbacks]
+    assert kinds == [CountValidations, EarlyStopping, ModelCheckpoint] and trainer.callbacks[0] is given
+    assert trainer.current_epoch == 2 and trainer.should_stop  # the module's EarlyStopping stopped the fit (of 5)
+    best = trainer.checkpoint_callback.best_model_path
+    assert Path(best).parent == tmp_path / "mine" and not (tmp_path / "default").exists()
+    assert trainer.test(ckpt_path="best", dataloaders=loader(8), verbose=False)[0].keys() == {"test_loss"}
+    assert module.configured == 1 and trainer.checkpoint_callback.best_model_path == best
+
+    class Wrong(Counting):
+        def configure_callbacks(self):
+            return [EarlyStopping]  # the class, not an instance
+
+    with pytest.raises(MisconfigurationError, match="Wrong.configure_callbacks must return Callback instances; got type"):
+        Trainer(**QUIET).fit(Wrong(), loader())
+
+
+def test_deterministic_benchmark_and_detect_anomaly_do_what_lightnings_options_do():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    try:
+        Trainer(**QUIET, max_epochs=1, deterministic=True).fit(Counting(), loader())  # without a seed, too
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark is False
+        torch.use_deterministic_algorithms(False)
+        Trainer(**QUIET, max_epochs=1, benchmark=True).fit(Counting(), loader())
+        assert torch.backends.cudnn.benchmark is True and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
+    with pytest.raises(MisconfigurationError, match="benchmark=True lets cuDNN pick algorithms by speed, which deterministic"):
+        Trainer(benchmark=True, deterministic=True)
+
+    class NaNGradient(Counting):
+        def training_step(self, batch, batch_idx):  # a finite loss whose gradient is NaN: 0 * d sqrt(0)
+            return super().training_step(batch, batch_idx) + (self.layer.bias * 0).sqrt().sum() * 0
+
+    module = NaNGradient()
+    Trainer(**QUIET, max_epochs=1, limit_train_batches=1).fit(module, loader())
+    assert module.layer.bias.isnan().all()  # unnoticed without it
+    with pytest.raises(RuntimeError, match="Function 'SqrtBackward0' returned nan values"):
+        Trainer(**QUIET, max_epochs=1, detect_anomaly=True).fit(NaNGradient(), loader())
+    assert not torch.is_anomaly_enabled()
+
+
 def test_callbacks_see_this_epochs_values_and_no_graph_in_evaluation_hooks():
     seen = []
 

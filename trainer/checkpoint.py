@@ -203,26 +203,52 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, 
     return checkpoint
 
 
-_LOADABLE = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size,
-             torch.layout)
+_LOADABLE = frozenset((str, bytes, bytearray, int, float, bool, complex, type(None), torch.dtype, torch.device,
+                       torch.Size, torch.layout))
 
 
-def unloadable(value: Any, where: str = "") -> tuple[str, Any] | None:
+def unloadable(value: Any) -> tuple[str, Any] | None:
     """The first value in `value` (a checkpoint, or part of one) that torch.load(weights_only=True) refuses, and
     where it is (e.g. "callbacks['Counter']['best']"); None when it all loads."""
+    found = _unloadable_part(value)
+    if found is None:
+        return None
+    steps, part = found
+    where = ""
+    for step, key in reversed(steps):  # outermost first; a top-level key reads as a name: "callbacks[...]"
+        if step == "key":
+            where += f" key {key!r}"
+        elif step == "index":
+            where += f"[{key}]"
+        else:
+            where += f"[{key!r}]" if where else str(key)
+    return where.lstrip() or "value", part
+
+
+def _unloadable_part(value: Any) -> tuple[list[tuple[str, Any]], Any] | None:
+    """The walk behind `unloadable`: the refused value and the steps to it, innermost first. Nothing is built for
+    values that load, as a checkpoint is checked at every save (its RNG states alone hold 600 ints)."""
     kind = type(value)
+    if kind in _LOADABLE or isinstance(value, torch.Tensor):
+        return None
     if kind in (dict, collections.OrderedDict, collections.Counter):
         for key, item in value.items():
-            found = unloadable(key, f"{where} key {key!r}") or unloadable(item, f"{where}[{key!r}]" if where else str(key))
-            if found is not None:
-                return found
+            for step, inner in (("key", key), ("item", item)):
+                if (found := _unloadable_part(inner)) is not None:
+                    found[0].append((step, key))
+                    return found
         return None
     if kind in (list, tuple, set):
-        return next((found for index, item in enumerate(value)
-                     if (found := unloadable(item, f"{where}[{index}]")) is not None), None)
-    if kind in _LOADABLE or isinstance(value, torch.Tensor) or kind in torch.serialization.get_safe_globals():
+        if _LOADABLE.issuperset(map(type, value)):  # a flat sequence of plain values, checked without a call each
+            return None
+        for index, item in enumerate(value):
+            if (found := _unloadable_part(item)) is not None:
+                found[0].append(("index", index))
+                return found
         return None
-    return where.lstrip() or "value", value
+    if kind in torch.serialization.get_safe_globals():
+        return None
+    return [], value
 
 
 def _training_state(trainer: Trainer) -> dict[str, Any]:

@@ -7,7 +7,9 @@ one name, one default and one check, wherever it is set.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ class TrainerConfig:
 
     max_epochs: Any = _opt(None, "Stop after this many epochs; -1 for no limit; unset: 1000 unless max_steps is set.")
     max_steps: int = _opt(-1, "Stop after this many optimizer steps; -1 for no limit.")
+    max_time: Any = _opt(None, "Stop training once it has run this long: 'DD:HH:MM:SS', seconds, a dict like {hours: 12} "
+                         "or a timedelta (a Timer callback; a resumed run goes on with what is left of it).")
     min_epochs: int = _opt(0, "Train at least this many epochs, even if a callback asks to stop.")
     limit_train_batches: Any = _opt(1.0, "Batches per training epoch (per process): a fraction (float) or a count (int).")
     limit_val_batches: Any = _opt(1.0, "Batches per validation (per process): a fraction (float) or a count (int).")
@@ -48,6 +52,10 @@ class TrainerConfig:
     precision: str = _opt("32", f"One of {', '.join(PRECISIONS)} (Lightning's spellings '32-true', '16' and 'bf16' are taken as those).")
     seed: Any = _opt(None, "Seed python, numpy and torch on every rank; also seeds the data order (default order seed 0).")
     deterministic: bool = _opt(False, "Ask torch for deterministic algorithms, warning where one has none (Lightning's 'warn').")
+    benchmark: Any = _opt(None, "Set torch.backends.cudnn.benchmark: cuDNN times convolution algorithms per input shape and "
+                          "keeps the fastest; unset: left as it is (off under deterministic).")
+    detect_anomaly: bool = _opt(False, "Train under torch.autograd.set_detect_anomaly: a backward that makes NaN raises, "
+                                "naming the forward operation (slow; for debugging).")
     default_root_dir: str = _opt("runs", "Runs land in <default_root_dir>/<name>/version_<n>/.")
     name: str = _opt("default", "The run name: the folder under default_root_dir.")
     logger: Any = _opt(True, "True or 'csv': CSV logger; 'tensorboard'; a list of those; False: none.")
@@ -77,6 +85,37 @@ class TrainerConfig:
         if self.max_epochs is None:
             return 1000 if self.max_steps == -1 else -1
         return int(self.max_epochs)
+
+
+_DHMS = re.compile(r"^\s*(\d+):(\d+):(\d+):(\d+)\s*$")
+
+
+def parse_duration(duration: Any, what: str = "duration") -> float | None:
+    """Seconds from None, a number of seconds, a timedelta, a dict of timedelta arguments or "DD:HH:MM:SS";
+    `what` names the setting in errors (e.g. "max_time='1:30'")."""
+    if duration is None:
+        return None
+    seconds: float
+    if isinstance(duration, timedelta):
+        seconds = duration.total_seconds()
+    elif isinstance(duration, dict):
+        try:
+            seconds = timedelta(**duration).total_seconds()
+        except TypeError as err:
+            raise MisconfigurationError(f"{what}: a dict takes timedelta arguments (days, hours, minutes, seconds, ...).") from err
+    elif isinstance(duration, str):
+        match = _DHMS.match(duration)
+        if match is None:
+            raise MisconfigurationError(f"{what}: a string must read 'DD:HH:MM:SS', e.g. '00:12:00:00'.")
+        days, hours, minutes, secs = (int(group) for group in match.groups())
+        seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
+    elif isinstance(duration, (int, float)) and not isinstance(duration, bool):
+        seconds = float(duration)
+    else:
+        raise MisconfigurationError(f"{what}: use seconds, a timedelta, a dict like {{'hours': 2}} or 'DD:HH:MM:SS'.")
+    if seconds < 0:
+        raise MisconfigurationError(f"{what} is negative; give a time budget >= 0.")
+    return seconds
 
 
 def option_names() -> list[str]:
@@ -136,6 +175,10 @@ def validate(config: TrainerConfig) -> None:
     _need(isinstance(config.timeout, (int, float)) and config.timeout > 0, f"timeout={config.timeout!r} must be a positive number of seconds.")
     _need(config.accelerator in ("auto", "cpu", "cuda", "gpu"), f"accelerator={config.accelerator!r}; use 'cpu', 'cuda' or 'auto'.")
     _need(config.seed is None or _is_int(config.seed), f"seed={config.seed!r} must be an integer or unset.")
+    parse_duration(config.max_time, f"max_time={config.max_time!r}")
+    _need(config.benchmark is None or isinstance(config.benchmark, bool), f"benchmark={config.benchmark!r} must be true, false or unset.")
+    _need(not (config.benchmark and config.deterministic), "benchmark=True lets cuDNN pick algorithms by speed, which "
+          "deterministic=True rules out; set one of them.")
     _need((_is_int(config.fast_dev_run) and config.fast_dev_run >= 0) or isinstance(config.fast_dev_run, bool),
           f"fast_dev_run={config.fast_dev_run!r} must be true/false or a number of batches (>= 0).")
     for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval"):

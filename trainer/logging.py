@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torchmetrics import Metric
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
+_HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))  # a set: `in` a tuple compares dtypes with ==, slower per step
 
 
 def _is_metric(value: Any) -> bool:
@@ -115,7 +116,7 @@ class MetricCollector:
             entry.metric, tensor, sync_dist, on_epoch = value, _batch_value(value).detach() if on_step else None, False, False
         else:
             tensor = _to_tensor(name, value)
-        if tensor is not None and tensor.dtype in (torch.float16, torch.bfloat16):
+        if tensor is not None and tensor.dtype in _HALF_DTYPES:
             tensor = tensor.float()  # as in Lightning, values are float32 whatever the precision: an epoch's sum needs its range
         if on_step:
             # Evaluation ranks may run one batch more or fewer than each other (every sample counts once), so an

@@ -184,12 +184,12 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
                and scheduler.interval == "epoch" and progress.epoch_done and (progress.epoch + 1) % scheduler.frequency == 0]
         for scheduler in due:
             if not isinstance(scheduler.scheduler, ReduceLROnPlateau):
-                step_scheduler(scheduler, trainer.callback_metrics)
+                step_scheduler(scheduler, trainer.callback_metrics, module.lr_scheduler_step)
         trainer.call("on_train_epoch_end")
         trainer.publish_epoch_metrics()  # what on_train_epoch_end itself logged, which the monitors decide on too
         for scheduler in due:
             if isinstance(scheduler.scheduler, ReduceLROnPlateau):
-                step_scheduler(scheduler, trainer.callback_metrics)
+                step_scheduler(scheduler, trainer.callback_metrics, module.lr_scheduler_step)
         if running:
             trainer.metrics.load_state_dict(running)
         trainer.call_monitors("on_train_epoch_end")

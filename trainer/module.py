@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ from trainer.errors import CheckpointError, MisconfigurationError, closest
 from trainer.optim import CLIP_ALGORITHMS
 
 if TYPE_CHECKING:
+    from callbacks.base import Callback
     from trainer.trainer import Trainer
 
 
@@ -105,6 +106,19 @@ class TrainModule(HyperparametersMixin, nn.Module):
             f"{type(self).__name__} has no configure_optimizers(); define it to return an optimizer, "
             "e.g. `return torch.optim.Adam(self.parameters(), lr=1e-3)`."
         )
+
+    def lr_scheduler_step(self, scheduler: Any, metric: float | None) -> None:
+        """Step one scheduler when its interval and frequency say so (`metric`: ReduceLROnPlateau's monitored value,
+        else None). Override it for a scheduler whose step takes other arguments (timm's), as in Lightning."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    def configure_callbacks(self) -> Sequence[Callback] | Callback:
+        """Callbacks this module needs wherever it runs, as in Lightning: they join the Trainer's, replacing its
+        callbacks of the same types."""
+        return []
 
     def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         """Loss of the last pipeline stage's output against the batch's target (pipeline strategy)."""

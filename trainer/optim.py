@@ -41,13 +41,20 @@ def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
         config = SchedulerConfig(**{"monitor": monitor, **item})
     else:
         config = SchedulerConfig(item, monitor=monitor)
-    if not isinstance(config.scheduler, (LRScheduler, ReduceLROnPlateau)):
-        raise MisconfigurationError(f"expected an LR scheduler, got {type(config.scheduler).__name__}.")
+    if not isinstance(config.scheduler, (LRScheduler, ReduceLROnPlateau)) and not _steppable(config.scheduler):
+        raise MisconfigurationError(
+            f"expected an LR scheduler, got {type(config.scheduler).__name__}; a scheduler of another kind (timm's) needs "
+            "step, state_dict and load_state_dict methods and the module's lr_scheduler_step(scheduler, metric) to step it.")
     if config.interval not in ("step", "epoch"):
         raise MisconfigurationError(f"lr_scheduler interval={config.interval!r}; use 'step' or 'epoch'.")
     if isinstance(config.scheduler, ReduceLROnPlateau) and config.monitor is None:
         raise MisconfigurationError("ReduceLROnPlateau needs a 'monitor' key naming a logged metric.")
     return config
+
+
+def _steppable(scheduler: Any) -> bool:
+    """A scheduler that is not torch's, which the module's own lr_scheduler_step steps (checked by the Trainer)."""
+    return all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict"))
 
 
 def parse_optimizers(output: Any) -> tuple[list[Optimizer], list[SchedulerConfig]]:
@@ -153,8 +160,11 @@ def _multiply_rates(optimizers: list[Optimizer], schedulers: list[SchedulerConfi
             scheduler.eta_min *= ratio
 
 
-def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor]) -> None:
-    """Step one scheduler; ReduceLROnPlateau reads its monitored metric."""
+def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor],
+                   step: Callable[[Any, float | None], None]) -> None:
+    """Step one scheduler through `step(scheduler, metric)` (the module's lr_scheduler_step); ReduceLROnPlateau
+    gets its monitored metric, the others None, as in Lightning."""
+    metric = None
     if isinstance(config.scheduler, ReduceLROnPlateau):
         if config.monitor not in metrics:
             if config.strict:
@@ -162,9 +172,8 @@ def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor])
                     f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; logged: {sorted(metrics)}."
                 )
             return
-        config.scheduler.step(float(metrics[config.monitor]))
-    else:
-        config.scheduler.step()
+        metric = float(metrics[config.monitor])
+    step(config.scheduler, metric)
 
 
 class ManualOptimizer:

@@ -18,11 +18,19 @@ def seed_everything(seed: int, deterministic: bool = False, workers: bool = True
     torch.manual_seed(seed)
     os.environ["PL_GLOBAL_SEED"] = str(seed)  # read by DataLoader workers started later
     if deterministic:
+        set_determinism(True)
+    return seed
+
+
+def set_determinism(deterministic: bool, benchmark: bool | None = None) -> None:
+    """Ask torch for deterministic kernels (warning where one has none) and set cuDNN's autotuner (`benchmark`;
+    None leaves it as it is, or off when deterministic), as Lightning's options of those names do."""
+    if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
         # cuBLAS needs this to be deterministic; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    return seed
+    if benchmark is not None or deterministic:
+        torch.backends.cudnn.benchmark = bool(benchmark)
 
 
 def rng_state() -> dict[str, Any]:

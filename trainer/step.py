@@ -115,4 +115,4 @@ class TrainStep:
         progress.batches_stepped += 1
         for scheduler in self.step_schedulers:
             if progress.global_step % scheduler.frequency == 0:
-                step_scheduler(scheduler, self.trainer.callback_metrics)
+                step_scheduler(scheduler, self.trainer.callback_metrics, self.module.lr_scheduler_step)

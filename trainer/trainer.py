@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from callbacks.base import Callback
@@ -37,7 +39,7 @@ from trainer.loop import Progress, batch_limit, evaluation_loop, fit_loop, predi
 from trainer.module import TrainModule
 from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, parse_optimizers
 from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
-from trainer.rng import seed_everything
+from trainer.rng import seed_everything, set_determinism
 from trainer.strategies import Strategy, build_strategy
 
 #: Hooks whose monitoring callbacks (checkpointing, early stopping) run after the module's, via `call_monitors`.
@@ -88,6 +90,7 @@ class Trainer:
         self._row_written_early = False
         self._epoch_row: dict[str, torch.Tensor] | None = None  # an epoch's values waiting for on_train_epoch_end
         self._hook_targets: dict[str, tuple[list[Any], Any]] = {}  # hook -> (callback methods, module method)
+        self._callbacks_configured_by: TrainModule | None = None  # the module whose configure_callbacks was applied
         #: The resolved recipe (set by the `trainer` command); rank 0 saves it as config.yaml in the run folder.
         self.run_config: dict[str, Any] | None = None
 
@@ -118,7 +121,7 @@ class Trainer:
         return loggers  # anything else was refused by config.validate
 
     def _with_default_callbacks(self, callbacks: list[Callback]) -> list[Callback]:
-        from callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
+        from callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 
         for callback in callbacks:
             if not isinstance(callback, Callback):
@@ -135,9 +138,33 @@ class Trainer:
             callbacks.append(ModelSummary())
         if self.config.enable_checkpointing and not any(issubclass(k, ModelCheckpoint) for k in kinds):
             callbacks.append(ModelCheckpoint(save_last=True))
+        if self.config.max_time is not None:
+            if any(issubclass(k, Timer) for k in kinds):  # Lightning ignores max_time then, with a warning
+                raise MisconfigurationError("max_time and a Timer callback both time the run; give the budget to one of "
+                                            "them (Timer(duration=...) or max_time).")
+            callbacks.append(Timer(duration=self.config.max_time))
         _check_state_keys(callbacks)
-        # Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters).
-        return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
+        return _checkpointing_last(callbacks)
+
+    def _attach_module_callbacks(self, module: TrainModule) -> None:
+        """Lightning's configure_callbacks: the module's callbacks join the Trainer's and replace those of the same
+        types. Asked once per module, so that a test after a fit keeps the fit's ModelCheckpoint (its best path)."""
+        if self._callbacks_configured_by is module:
+            return
+        returned = module.configure_callbacks()
+        self._callbacks_configured_by = module
+        given = [returned] if isinstance(returned, Callback) else list(returned or [])
+        for callback in given:
+            if not isinstance(callback, Callback):
+                raise MisconfigurationError(f"{type(module).__name__}.configure_callbacks must return Callback instances; "
+                                            f"got {type(callback).__name__}.")
+        if not given:
+            return
+        replaced = {type(callback) for callback in given}
+        callbacks = [callback for callback in self.callbacks if type(callback) not in replaced] + given
+        _check_state_keys(callbacks)
+        self.strategy.check_config(self.config, callbacks)
+        self.callbacks = _checkpointing_last(callbacks)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -440,6 +467,7 @@ class Trainer:
                 f"Trainer.{stage} needs dataloaders, a datamodule, or a {type(module).__name__}.{STAGE_LOADERS[stage]}().")
         if datamodule is not None and not isinstance(datamodule, DataModule):
             raise MisconfigurationError(f"datamodule must be a DataModule; got {type(datamodule).__name__}.")
+        self._attach_module_callbacks(module)
 
     def _check_manual_optimization(self, name: str) -> None:
         """Options the loop applies around optimizer steps mean nothing when the module takes the steps itself."""
@@ -486,7 +514,8 @@ class Trainer:
         self.stage, self.module, self.datamodule, self.should_stop = stage, module, datamodule, False
         self._hook_targets = {}  # callbacks and module are fixed for the run from here on
         if self.config.seed is not None:
-            seed_everything(self.config.seed, self.config.deterministic)
+            seed_everything(self.config.seed)
+        set_determinism(self.config.deterministic, self.config.benchmark)
         module._trainer = self
         self.metrics = MetricCollector(strategy.reduce)
         # Each stage reports its own values, as in Lightning: a test after a fit does not show the fit's.
@@ -547,7 +576,9 @@ class Trainer:
         config = self.config
         if stage == "fit":
             self.call("on_fit_start")
-            with faults.StepGuard(self) as guard:  # SIGTERM and non-finite losses, settled at optimizer steps
+            # Off: whatever the script set stays in force.
+            anomaly = torch.autograd.set_detect_anomaly(True) if config.detect_anomaly else contextlib.nullcontext()
+            with faults.StepGuard(self) as guard, anomaly:  # SIGTERM and non-finite losses, settled at optimizer steps
                 fit_loop(self, loaders[0], loaders[1:], guard)
             self.call("on_fit_end")
             return None
@@ -611,6 +642,11 @@ class Trainer:
 
     def _setup_optimizers(self, module: TrainModule) -> None:
         optimizers, schedulers = parse_optimizers(module.configure_optimizers())
+        foreign = [type(c.scheduler).__name__ for c in schedulers if not isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau))]
+        if foreign and type(module).lr_scheduler_step is TrainModule.lr_scheduler_step:
+            raise MisconfigurationError(
+                f"the scheduler {foreign[0]} is not one of torch's, whose step() the Trainer knows how to call; define "
+                f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it, as in Lightning.")
         self.optimizers = self.strategy.setup_optimizers(optimizers)
         self.manual_optimizers = [ManualOptimizer(optimizer, self) for optimizer in self.optimizers]
         self.lr_scheduler_configs = schedulers
@@ -668,10 +704,8 @@ _UNCALLED_LIGHTNING_HOOKS = {
     "optimizer_step": "for a learning-rate warm-up use a scheduler or Trainer(lr_warmup_steps=...); to step yourself, "
                       "set automatic_optimization = False",
     "optimizer_zero_grad": "gradients are zeroed (set to None) after every optimizer step",
-    "lr_scheduler_step": "the Trainer calls scheduler.step() (with the monitored value for ReduceLROnPlateau)",
     "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip in "
                                    "on_before_optimizer_step",
-    "configure_callbacks": "pass them to Trainer(callbacks=[...])",
     "on_before_batch_transfer": "change batches in the DataLoader's collate_fn, or at the top of the step",
     "on_after_batch_transfer": "change batches at the top of the step",
     "transfer_batch_to_device": "batches of tensors, lists, tuples and dicts are moved for you; move others in the step",
@@ -719,6 +753,13 @@ def _check_state_keys(callbacks: list[Callback]) -> None:
                 "checkpoint could keep only one of their states; give them different settings (for ModelCheckpoint: "
                 "monitor, mode or filename), or override state_key."
             )
+
+
+def _checkpointing_last(callbacks: list[Callback]) -> list[Callback]:
+    """Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters)."""
+    from callbacks import ModelCheckpoint
+
+    return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from callbacks import ModelCheckpoint
+from callbacks import ModelCheckpoint, Timer
 from recipes.digits import DigitsCNN, DigitsData
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import load_checkpoint_file
@@ -318,12 +318,15 @@ def test_options_through_the_registry_and_their_errors():
         Trainer(strategy="ps", devices=3, accelerator="cpu", limit_train_batches=0.5)
     Trainer(strategy={"name": "ps", "staleness": 0}, devices=3, accelerator="cpu", limit_train_batches=0.5)
     # Workers that claim their own batches count different steps: a collective every n of them would hang.
-    for options in ({"callbacks": [ModelCheckpoint(every_n_train_steps=4)]}, {"val_check_interval": 10},
-                    {"val_check_interval": 0.5}):
-        what = "ModelCheckpoint(every_n_train_steps=4)" if "callbacks" in options else f"val_check_interval={options['val_check_interval']}"
+    for what, options in (("ModelCheckpoint(every_n_train_steps=4)", {"callbacks": [ModelCheckpoint(every_n_train_steps=4)]}),
+                          ("val_check_interval=10", {"val_check_interval": 10}),
+                          ("val_check_interval=0.5", {"val_check_interval": 0.5}),
+                          ("max_time", {"max_time": 60}),  # a time budget checked after every step
+                          ("Timer(interval='step')", {"callbacks": [Timer(duration=60)]})):
         with pytest.raises(MisconfigurationError, match=rf"{re.escape(what)} needs every process to reach the same steps"):
             Trainer(strategy="ps", devices=3, accelerator="cpu", **options)
         Trainer(strategy={"name": "ps", "staleness": 0}, devices=3, accelerator="cpu", **options)
+    Trainer(strategy="ps", devices=3, accelerator="cpu", callbacks=[Timer(duration=60, interval="epoch")])
 
 
 def test_synchronous_ps_says_once_that_it_clips_each_workers_gradient_before_the_average():

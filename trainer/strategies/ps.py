@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, IterableDataset
 
+from callbacks.timer import Timer
 from trainer import faults
 from trainer.data import ResumableBatchSampler, _loader_kwargs, prepare_loader
 from trainer.environment import ClusterEnvironment, find_free_port, resolve_environment
@@ -320,13 +321,17 @@ class ParameterServerStrategy(Strategy):
         # them is a collective that the workers would reach different numbers of times, and wait forever.
         every_n = [f"{type(c).__name__}(every_n_train_steps={c.every_n_train_steps})" for c in callbacks
                    if getattr(c, "every_n_train_steps", 0)]
+        # A time budget checked after every step asks rank 0's clock each step.
+        every_n += ["max_time" if config.max_time is not None else "Timer(interval='step')" for c in callbacks
+                    if isinstance(c, Timer) and c.duration is not None and c.interval == "step"]
         if not (isinstance(config.val_check_interval, float) and config.val_check_interval == 1.0):  # int 1: every batch
             every_n.append(f"val_check_interval={config.val_check_interval}")
         if every_n:
             raise MisconfigurationError(
                 f"{every_n[0]} needs every process to reach the same steps, but strategy='ps' with dynamic_batches "
-                "(staleness=None) lets each worker train as many batches as it claims; validate and checkpoint at "
-                "epoch ends (every_n_epochs, val_check_interval=1.0), or give the ps strategy staleness=0.")
+                "(staleness=None) lets each worker train as many batches as it claims; validate, checkpoint and check "
+                "time budgets at epoch ends (every_n_epochs, val_check_interval=1.0, Timer(duration=..., "
+                "interval='epoch')), or give the ps strategy staleness=0.")
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
         """Clip this worker's gradient before it is pushed: the servers average clipped gradients, where ddp
