@@ -61,6 +61,9 @@ class Timer(Callback):
     def _finish(self, stage: str) -> None:
         self._end[stage] = time.monotonic()
 
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._check(trainer)  # a resumed run whose budget is already spent trains no further step
+
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._announced = False
         self._begin("train")

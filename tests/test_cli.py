@@ -99,6 +99,7 @@ BAD_INPUTS = [
      "quote it: callbacks.0.init_args.filename=\"'{epoch}-{val/acc:.3f}'\""),
     (["good.yaml", "callbacks.4.init_args.monitor=x"], "the recipe has 1 callback(s) (callbacks.0 to callbacks.0); an "
      "override changes an entry, a new callback goes in a recipe file's callbacks list"),
+    (["good.yaml", "trainer.max_time=1:30"], "max_time='1:30': a string must read 'DD:HH:MM:SS'"),  # not YAML's 90
     (["good.yaml", "trainer.strategy={name: ps, stalenes: 4}"],
      "strategy 'ps' has no option 'stalenes' (did you mean 'staleness', 'stale_gradients'?); its options: ps_servers,"),
 ]
@@ -125,6 +126,12 @@ def test_bad_input_is_one_line_exit_2_and_nothing_runs(recipes_here, capsys, arg
     assert err.startswith("trainer fit: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
     assert not (recipes_here / "runs").exists()
+
+
+def test_a_duration_override_is_a_duration_not_a_yaml_base_60_number(recipes_here):
+    # YAML 1.1 reads 1:00:00:00 as the integer 216000 (base 60); Lightning's DD:HH:MM:SS means one day.
+    assert load_recipe(["good.yaml", "trainer.max_time=1:00:00:00"]).trainer.max_time == "1:00:00:00"
+    assert load_recipe(["good.yaml", "trainer.max_time=90"]).trainer.max_time == 90
 
 
 def test_lightning_cli_style_options_are_answered_with_the_override_syntax(recipes_here, capsys):

@@ -201,7 +201,7 @@ def test_bad_configure_optimizers_return():
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
             return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
 
-    with pytest.raises(MisconfigurationError, match="ReduceLROnPlateau needs a 'monitor' key"):
+    with pytest.raises(MisconfigurationError, match="ReduceLROnPlateau steps on a monitored value: it needs a 'monitor' key"):
         fit(PlateauWithoutMonitor())
 
 

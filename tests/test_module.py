@@ -205,7 +205,8 @@ def test_lr_scheduler_step_steps_schedulers_of_other_kinds_and_sees_plateau_metr
                     {"optimizer": still, "lr_scheduler": plateau, "monitor": "flat"})
 
         def lr_scheduler_step(self, scheduler, metric):
-            self.calls.append((type(scheduler).__name__, metric))
+            assert metric is None or isinstance(metric, torch.Tensor)  # the logged value, as Lightning passes it
+            self.calls.append((type(scheduler).__name__, None if metric is None else float(metric)))
             if isinstance(scheduler, StepwiseHalving):
                 scheduler.step(self.global_step)
             else:
@@ -223,6 +224,23 @@ def test_lr_scheduler_step_steps_schedulers_of_other_kinds_and_sees_plateau_metr
     trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), **{**QUIET, "enable_checkpointing": True})
     trainer.fit(resumed, data(), ckpt_path="last")
     assert trainer.lr_scheduler_configs[0].scheduler.steps_seen == list(range(1, 13))  # its state came back
+
+    class OwnPlateau(StepwiseHalving):  # a plateau scheduler of another library, told apart by reduce_on_plateau
+        def step(self, metric):
+            self.steps_seen.append(float(metric))
+
+    class Plateaued(Custom):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": OwnPlateau(optimizer), "monitor": "flat",
+                                                             "reduce_on_plateau": True}}
+
+        def lr_scheduler_step(self, scheduler, metric):
+            scheduler.step(metric)
+
+    trainer = Trainer(max_epochs=2, **QUIET)
+    trainer.fit(Plateaued(), data())
+    assert trainer.lr_scheduler_configs[0].scheduler.steps_seen == [1.0, 1.0]
 
     class NotStepped(Regressor):
         def configure_optimizers(self):

@@ -585,12 +585,30 @@ def test_configure_callbacks_replaces_the_trainers_callbacks_of_the_same_type_on
     assert trainer.test(ckpt_path="best", dataloaders=loader(8), verbose=False)[0].keys() == {"test_loss"}
     assert module.configured == 1 and trainer.checkpoint_callback.best_model_path == best
 
+    # A new module's own ModelCheckpoint comes in after ckpt_path="best" was read from the fit's, as in Lightning.
+    assert trainer.test(Configured(), ckpt_path="best", dataloaders=loader(8), verbose=False)[0].keys() == {"test_loss"}
+
     class Wrong(Counting):
         def configure_callbacks(self):
             return [EarlyStopping]  # the class, not an instance
 
     with pytest.raises(MisconfigurationError, match="Wrong.configure_callbacks must return Callback instances; got type"):
         Trainer(**QUIET).fit(Wrong(), loader())
+
+    class MyCheckpoint(ModelCheckpoint):
+        pass
+
+    class Twice(Counting):
+        def configure_callbacks(self):
+            return [MyCheckpoint(dirpath=str(tmp_path / "sub")), EarlyStopping("val_loss"), EarlyStopping("val_loss")]
+
+    trainer, module = Trainer(**{**QUIET, "enable_checkpointing": True}, default_root_dir=str(tmp_path)), Twice()
+    for _ in range(2):  # refused, and refused again: a failed configure_callbacks is not taken as done
+        with pytest.raises(MisconfigurationError, match="two EarlyStopping callbacks have the same state_key"):
+            trainer.fit(module, loader(), loader(8))
+    Twice.configure_callbacks = lambda self: MyCheckpoint(dirpath=str(tmp_path / "sub"))
+    trainer.fit(module, loader(), loader(8))
+    assert [type(c) for c in trainer.callbacks] == [MyCheckpoint]  # a subclass replaces the Trainer's ModelCheckpoint
 
 
 def test_deterministic_benchmark_and_detect_anomaly_do_what_lightnings_options_do():

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from trainer.data import (
@@ -183,12 +182,12 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
         due = [scheduler for scheduler in trainer.lr_scheduler_configs if module.automatic_optimization
                and scheduler.interval == "epoch" and progress.epoch_done and (progress.epoch + 1) % scheduler.frequency == 0]
         for scheduler in due:
-            if not isinstance(scheduler.scheduler, ReduceLROnPlateau):
+            if not scheduler.reduce_on_plateau:
                 step_scheduler(scheduler, trainer.callback_metrics, module.lr_scheduler_step)
         trainer.call("on_train_epoch_end")
         trainer.publish_epoch_metrics()  # what on_train_epoch_end itself logged, which the monitors decide on too
         for scheduler in due:
-            if isinstance(scheduler.scheduler, ReduceLROnPlateau):
+            if scheduler.reduce_on_plateau:
                 step_scheduler(scheduler, trainer.callback_metrics, module.lr_scheduler_step)
         if running:
             trainer.metrics.load_state_dict(running)

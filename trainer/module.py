@@ -107,8 +107,8 @@ class TrainModule(HyperparametersMixin, nn.Module):
             "e.g. `return torch.optim.Adam(self.parameters(), lr=1e-3)`."
         )
 
-    def lr_scheduler_step(self, scheduler: Any, metric: float | None) -> None:
-        """Step one scheduler when its interval and frequency say so (`metric`: ReduceLROnPlateau's monitored value,
+    def lr_scheduler_step(self, scheduler: Any, metric: torch.Tensor | None) -> None:
+        """Step one scheduler when its interval and frequency say so (`metric`: a plateau scheduler's monitored value,
         else None). Override it for a scheduler whose step takes other arguments (timm's), as in Lightning."""
         if metric is None:
             scheduler.step()

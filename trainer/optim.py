@@ -28,15 +28,21 @@ class SchedulerConfig:
     monitor: str | None = None
     strict: bool = True
     name: str | None = None
+    reduce_on_plateau: bool | None = None  # steps with its monitored value; unset: whether it is a ReduceLROnPlateau
+
+    def __post_init__(self) -> None:
+        if self.reduce_on_plateau is None:
+            self.reduce_on_plateau = isinstance(self.scheduler, ReduceLROnPlateau)
 
 
 def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
     """`monitor`: the one given beside the optimizer ({"optimizer", "lr_scheduler", "monitor"}, as Lightning reads it)."""
     if isinstance(item, Mapping):
-        unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+        unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau"}
         if "scheduler" not in item or unknown:
             raise MisconfigurationError(
-                f"an lr_scheduler dict needs 'scheduler' and may hold interval, frequency, monitor, strict, name; got {sorted(item)}."
+                f"an lr_scheduler dict needs 'scheduler' and may hold interval, frequency, monitor, strict, name, "
+                f"reduce_on_plateau; got {sorted(item)}."
             )
         config = SchedulerConfig(**{"monitor": monitor, **item})
     else:
@@ -47,8 +53,9 @@ def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
             "step, state_dict and load_state_dict methods and the module's lr_scheduler_step(scheduler, metric) to step it.")
     if config.interval not in ("step", "epoch"):
         raise MisconfigurationError(f"lr_scheduler interval={config.interval!r}; use 'step' or 'epoch'.")
-    if isinstance(config.scheduler, ReduceLROnPlateau) and config.monitor is None:
-        raise MisconfigurationError("ReduceLROnPlateau needs a 'monitor' key naming a logged metric.")
+    if config.reduce_on_plateau and config.monitor is None:
+        raise MisconfigurationError(f"{type(config.scheduler).__name__} steps on a monitored value: it needs a 'monitor' "
+                                    "key naming a logged metric.")
     return config
 
 
@@ -161,18 +168,19 @@ def _multiply_rates(optimizers: list[Optimizer], schedulers: list[SchedulerConfi
 
 
 def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor],
-                   step: Callable[[Any, float | None], None]) -> None:
-    """Step one scheduler through `step(scheduler, metric)` (the module's lr_scheduler_step); ReduceLROnPlateau
-    gets its monitored metric, the others None, as in Lightning."""
+                   step: Callable[[Any, torch.Tensor | None], None]) -> None:
+    """Step one scheduler through `step(scheduler, metric)` (the module's lr_scheduler_step); a plateau scheduler
+    gets its monitored value (the logged tensor), the others None, as in Lightning."""
     metric = None
-    if isinstance(config.scheduler, ReduceLROnPlateau):
+    if config.reduce_on_plateau:
         if config.monitor not in metrics:
             if config.strict:
                 raise MisconfigurationError(
-                    f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; logged: {sorted(metrics)}."
+                    f"{type(config.scheduler).__name__} monitors {config.monitor!r}, which was not logged; logged: "
+                    f"{sorted(metrics)}."
                 )
             return
-        metric = float(metrics[config.monitor])
+        metric = metrics[config.monitor]
     step(config.scheduler, metric)
 
 

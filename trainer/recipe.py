@@ -210,12 +210,17 @@ def _check_path(parts: list[str], source: str) -> None:
                                     f"a class entry has {' and '.join(CLASS_KEYS)}.")
 
 
+_SEXAGESIMAL = re.compile(r"^\s*[-+]?\d+(:\d+)+\s*$")
+
+
 def _apply_override(merged: DictConfig, token: str) -> None:
     key, _, text = token.partition("=")
     _check_path(key.split("."), f"override {token!r}")
     # Parse the value the way omegaconf parses a dotlist (YAML), without resolving interpolations yet.
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]), resolve=False)["value"]
+        if isinstance(value, int) and _SEXAGESIMAL.match(text):  # YAML 1.1 reads 1:30 as 90: a duration is meant
+            value = text.strip()
     except OmegaConfBaseException as err:
         reason = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
         raise MisconfigurationError(f"override {token!r}: cannot parse the value ({reason}); an interpolation "

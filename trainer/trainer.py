@@ -152,19 +152,17 @@ class Trainer:
         if self._callbacks_configured_by is module:
             return
         returned = module.configure_callbacks()
-        self._callbacks_configured_by = module
         given = [returned] if isinstance(returned, Callback) else list(returned or [])
         for callback in given:
             if not isinstance(callback, Callback):
                 raise MisconfigurationError(f"{type(module).__name__}.configure_callbacks must return Callback instances; "
                                             f"got {type(callback).__name__}.")
-        if not given:
-            return
-        replaced = {type(callback) for callback in given}
-        callbacks = [callback for callback in self.callbacks if type(callback) not in replaced] + given
-        _check_state_keys(callbacks)
-        self.strategy.check_config(self.config, callbacks)
-        self.callbacks = _checkpointing_last(callbacks)
+        # A module's MyCheckpoint(ModelCheckpoint) replaces the Trainer's ModelCheckpoint too.
+        kept = [callback for callback in self.callbacks if not any(isinstance(mine, type(callback)) for mine in given)]
+        _check_state_keys(kept + given)
+        self.strategy.check_config(self.config, kept + given)
+        self.callbacks = _checkpointing_last(kept + given)
+        self._callbacks_configured_by = module
 
     # ------------------------------------------------------------------ public state
     @property
@@ -467,7 +465,6 @@ class Trainer:
                 f"Trainer.{stage} needs dataloaders, a datamodule, or a {type(module).__name__}.{STAGE_LOADERS[stage]}().")
         if datamodule is not None and not isinstance(datamodule, DataModule):
             raise MisconfigurationError(f"datamodule must be a DataModule; got {type(datamodule).__name__}.")
-        self._attach_module_callbacks(module)
 
     def _check_manual_optimization(self, name: str) -> None:
         """Options the loop applies around optimizer steps mean nothing when the module takes the steps itself."""
@@ -488,6 +485,8 @@ class Trainer:
     def _dispatch(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
                   *loaders: Any) -> Any:
         """Run here, or start the job's processes and adopt rank 0's result."""
+        # After ckpt_path was resolved: "best" means the best of the callbacks that ran before, as in Lightning.
+        self._attach_module_callbacks(module)
         environment = self.strategy.detect_environment()
         if self.strategy.job_size > 1 and not environment.launched:
             # Imported here: torch's elastic agent takes 150 ms to import, needed only to start processes.
