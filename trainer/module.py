@@ -117,7 +117,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     def configure_callbacks(self) -> Sequence[Callback] | Callback:
         """Callbacks this module needs wherever it runs, as in Lightning: they join the Trainer's, replacing its
-        callbacks of the same types."""
+        callbacks of their types or base types (a MyCheckpoint(ModelCheckpoint) replaces the ModelCheckpoint)."""
         return []
 
     def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:

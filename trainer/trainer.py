@@ -147,8 +147,8 @@ class Trainer:
         return _checkpointing_last(callbacks)
 
     def _attach_module_callbacks(self, module: TrainModule) -> None:
-        """Lightning's configure_callbacks: the module's callbacks join the Trainer's and replace those of the same
-        types. Asked once per module, so that a test after a fit keeps the fit's ModelCheckpoint (its best path)."""
+        """Lightning's configure_callbacks: the module's callbacks join the Trainer's and replace those of their types
+        or base types. Asked once per module, so that a test after a fit keeps the fit's ModelCheckpoint (its best path)."""
         if self._callbacks_configured_by is module:
             return
         returned = module.configure_callbacks()
@@ -157,7 +157,6 @@ class Trainer:
             if not isinstance(callback, Callback):
                 raise MisconfigurationError(f"{type(module).__name__}.configure_callbacks must return Callback instances; "
                                             f"got {type(callback).__name__}.")
-        # A module's MyCheckpoint(ModelCheckpoint) replaces the Trainer's ModelCheckpoint too.
         kept = [callback for callback in self.callbacks if not any(isinstance(mine, type(callback)) for mine in given)]
         _check_state_keys(kept + given)
         self.strategy.check_config(self.config, kept + given)
