@@ -47,7 +47,7 @@ def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
         config = SchedulerConfig(**{"monitor": monitor, **item})
     else:
         config = SchedulerConfig(item, monitor=monitor)
-    if not isinstance(config.scheduler, (LRScheduler, ReduceLROnPlateau)) and not _steppable(config.scheduler):
+    if not is_torch_scheduler(config.scheduler) and not _steppable(config.scheduler):
         raise MisconfigurationError(
             f"expected an LR scheduler, got {type(config.scheduler).__name__}; a scheduler of another kind (timm's) needs "
             "step, state_dict and load_state_dict methods and the module's lr_scheduler_step(scheduler, metric) to step it.")
@@ -57,6 +57,11 @@ def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
         raise MisconfigurationError(f"{type(config.scheduler).__name__} steps on a monitored value: it needs a 'monitor' "
                                     "key naming a logged metric.")
     return config
+
+
+def is_torch_scheduler(scheduler: Any) -> bool:
+    """One of torch's schedulers, whose step() the Trainer knows how to call (others need lr_scheduler_step)."""
+    return isinstance(scheduler, (LRScheduler, ReduceLROnPlateau))
 
 
 def _steppable(scheduler: Any) -> bool:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from callbacks.base import Callback
@@ -37,7 +36,7 @@ from trainer.logging import (
 )
 from trainer.loop import Progress, batch_limit, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule
-from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, parse_optimizers
+from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, is_torch_scheduler, parse_optimizers
 from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
 from trainer.rng import seed_everything, set_determinism
 from trainer.strategies import Strategy, build_strategy
@@ -61,9 +60,7 @@ class Trainer:
         self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
         self.strategy.timeout = float(self.config.timeout)
         self.loggers: list[Logger] = self._build_loggers(self.config.logger)
-        # One callback alone is accepted as Lightning accepts it.
-        given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-        self.callbacks: list[Callback] = self._with_default_callbacks(given)
+        self.callbacks: list[Callback] = self._with_default_callbacks(_callback_list(callbacks, "callbacks must be"))
         self.strategy.check_config(self.config, self.callbacks)
         self.progress = Progress()
         self.module: TrainModule | None = None
@@ -123,9 +120,6 @@ class Trainer:
     def _with_default_callbacks(self, callbacks: list[Callback]) -> list[Callback]:
         from callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 
-        for callback in callbacks:
-            if not isinstance(callback, Callback):
-                raise MisconfigurationError(f"callbacks must be Callback instances; got {type(callback).__name__}.")
         kinds = {type(c) for c in callbacks}
         # fast_dev_run turns checkpointing off itself; the checkpoint callbacks a user gives then save nothing.
         for option, kind in (("enable_progress_bar", RichProgressBar), ("enable_checkpointing", ModelCheckpoint)):
@@ -151,12 +145,7 @@ class Trainer:
         or base types. Asked once per module, so that a test after a fit keeps the fit's ModelCheckpoint (its best path)."""
         if self._callbacks_configured_by is module:
             return
-        returned = module.configure_callbacks()
-        given = [returned] if isinstance(returned, Callback) else list(returned or [])
-        for callback in given:
-            if not isinstance(callback, Callback):
-                raise MisconfigurationError(f"{type(module).__name__}.configure_callbacks must return Callback instances; "
-                                            f"got {type(callback).__name__}.")
+        given = _callback_list(module.configure_callbacks(), f"{type(module).__name__}.configure_callbacks must return")
         kept = [callback for callback in self.callbacks if not any(isinstance(mine, type(callback)) for mine in given)]
         _check_state_keys(kept + given)
         self.strategy.check_config(self.config, kept + given)
@@ -640,7 +629,7 @@ class Trainer:
 
     def _setup_optimizers(self, module: TrainModule) -> None:
         optimizers, schedulers = parse_optimizers(module.configure_optimizers())
-        foreign = [type(c.scheduler).__name__ for c in schedulers if not isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau))]
+        foreign = [type(c.scheduler).__name__ for c in schedulers if not is_torch_scheduler(c.scheduler)]
         if foreign and type(module).lr_scheduler_step is TrainModule.lr_scheduler_step:
             raise MisconfigurationError(
                 f"the scheduler {foreign[0]} is not one of torch's, whose step() the Trainer knows how to call; define "
@@ -751,6 +740,16 @@ def _check_state_keys(callbacks: list[Callback]) -> None:
                 "checkpoint could keep only one of their states; give them different settings (for ModelCheckpoint: "
                 "monitor, mode or filename), or override state_key."
             )
+
+
+def _callback_list(value: Any, must: str) -> list[Callback]:
+    """`value` as a list of callbacks (one alone is accepted, as Lightning accepts it); `must` starts the error for
+    anything else in it, e.g. "callbacks must be"."""
+    callbacks = [value] if isinstance(value, Callback) else list(value or [])
+    for callback in callbacks:
+        if not isinstance(callback, Callback):
+            raise MisconfigurationError(f"{must} Callback instances; got {type(callback).__name__}.")
+    return callbacks
 
 
 def _checkpointing_last(callbacks: list[Callback]) -> list[Callback]:
