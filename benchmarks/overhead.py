@@ -46,8 +46,9 @@ measured is the framework's Python work, not the kernels.
 Also prints the wall time of `python -c "import trainer"` next to `python -c "import torch"`.
 
 `--valgrind` prints instead what the two sides execute per step under valgrind's cachegrind: instructions,
-simulated cache misses and mispredicted branches. Those counts are deterministic, so they show the
-framework's own work exactly where the timings above cannot.
+simulated cache misses and mispredicted branches, and KCachegrind's rough cycle estimate from them. Those
+counts are deterministic (thread pools and hash seeds pinned), so they show the framework's own work
+exactly where the timings above cannot.
 
 Run: python benchmarks/overhead.py [--valgrind] [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--block 20] [--threads 1] [--floor-runs 15]
 """
@@ -328,9 +329,12 @@ def cachegrind_totals(side: str, steps: int, folder: Path) -> dict[str, int]:
     """The event totals of one `--side` run under valgrind's cachegrind (simulated caches and branch predictor)."""
     out = folder / f"cachegrind.{side}.{steps}"
     caches = [f"--{name}={spec}" for name, spec in CACHES.items()]
+    # A BLAS thread pool spins a varying number of instructions, and hash seeds vary dict layouts: both pinned,
+    # so that the counts repeat from run to run.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes", *caches,
                     f"--cachegrind-out-file={out}", sys.executable, __file__, "--side", side, "--steps", str(steps),
-                    "--folder", str(folder / f"{side}{steps}")], check=True, capture_output=True)
+                    "--folder", str(folder / f"{side}{steps}")], check=True, capture_output=True, env=env)
     lines = out.read_text().splitlines()
     names = next(line for line in lines if line.startswith("events:")).split()[1:]
     totals = next(line for line in lines if line.startswith("summary:")).split()[1:]
@@ -346,11 +350,23 @@ def instruction_counts(short: int, long: int) -> None:
         jobs = {(side, steps): pool.submit(cachegrind_totals, side, steps, Path(tmp))
                 for side in ("hand", "trainer") for steps in (short, long)}
         totals = {key: job.result() for key, job in jobs.items()}
+    per_step = {side: {event: (totals[side, long][event] - totals[side, short][event]) / (long - short)
+                       for event in totals[side, long]} for side in ("hand", "trainer")}
     print(f"cachegrind, per step (runs of {long} and {short} steps; caches {CACHES}):")
     for event, meaning in EVENTS.items():
-        hand, ours = ((totals[side, long][event] - totals[side, short][event]) / (long - short)
-                      for side in ("hand", "trainer"))
+        hand, ours = per_step["hand"][event], per_step["trainer"][event]
         print(f"  {meaning:>34}: hand-written {hand:12,.0f}  Trainer {ours:12,.0f}  ratio {ours / hand:.4f}")
+    hand, ours = cycle_estimate(per_step["hand"]), cycle_estimate(per_step["trainer"])
+    print(f"  {'cycle estimate':>34}: hand-written {hand:12,.0f}  Trainer {ours:12,.0f}  ratio {ours / hand:.4f} "
+          "(KCachegrind's Ir + 10 mispredicted branches + 10 L1 misses + 100 L2 misses; a rough weighting)")
+
+
+def cycle_estimate(counts: dict[str, float]) -> float:
+    """KCachegrind's rough cycle estimate from cachegrind's counts: a miss in the last cache level simulated
+    (here the L2) is taken to cost 100 cycles, an L1 miss or a mispredicted branch 10, an instruction 1."""
+    l1_misses = counts["I1mr"] + counts["D1mr"] + counts["D1mw"]
+    last_level_misses = counts["ILmr"] + counts["DLmr"] + counts["DLmw"]
+    return counts["Ir"] + 10 * (counts["Bcm"] + counts["Bim"]) + 10 * l1_misses + 100 * last_level_misses
 
 
 def import_seconds(module: str, repeats: int) -> float:

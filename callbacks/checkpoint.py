@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.base import Callback
+from trainer.config import parse_duration
 from trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
@@ -25,8 +27,11 @@ class ModelCheckpoint(Callback):
     """Save checkpoints during fit: the `save_top_k` best by `monitor`, or the latest ones without a monitor.
 
     Saves happen at the end of every `every_n_epochs`-th training epoch (after that epoch's validation),
-    after mid-epoch validations (`val_check_interval` < 1), or every `every_n_train_steps` optimizer steps;
-    never twice for one global step and never while sanity checking. `save_last` also keeps `last.ckpt`:
+    after mid-epoch validations (`val_check_interval` < 1), every `every_n_train_steps` optimizer steps, or
+    after the first optimizer step once `train_time_interval` (a timedelta, seconds, or 'DD:HH:MM:SS') has
+    passed since the last such save; never twice for one global step and never while sanity checking.
+    `save_on_train_epoch_end=True` saves at training epoch ends only (not after mid-epoch validations);
+    `False` saves after validations only (an epoch end that no validation preceded saves nothing). `save_last` also keeps `last.ckpt`:
     when a top-k file was written at the same step it is a second name for that file (a hard link).
     `filename` is a template holding `{epoch}`, `{step}` and logged metrics with optional format specs:
     `"{epoch}-{val/acc:.4f}"` gives `epoch=3-val_acc=0.9123.ckpt` ('/' becomes '_'; `name=` is inserted
@@ -45,7 +50,8 @@ class ModelCheckpoint(Callback):
                  mode: str = "min", save_top_k: int = 1, save_last: bool | None = None,
                  every_n_epochs: int | None = None, every_n_train_steps: int | None = None,
                  verbose: bool = False, auto_insert_metric_name: bool = True, save_weights_only: bool = False,
-                 enable_version_counter: bool = True) -> None:
+                 enable_version_counter: bool = True, train_time_interval: Any = None,
+                 save_on_train_epoch_end: bool | None = None) -> None:
         if mode not in ("min", "max"):
             raise MisconfigurationError(f"ModelCheckpoint(mode={mode!r}) is not known; use 'min' or 'max'.")
         if not isinstance(save_top_k, int) or save_top_k < -1:
@@ -53,17 +59,25 @@ class ModelCheckpoint(Callback):
         for key, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise MisconfigurationError(f"ModelCheckpoint({key}={value!r}) must be a whole number >= 0.")
-        if every_n_epochs and every_n_train_steps:
+        interval = parse_duration(train_time_interval, f"ModelCheckpoint(train_time_interval={train_time_interval!r})")
+        if interval == 0:
+            raise MisconfigurationError("ModelCheckpoint(train_time_interval=0) would save after every step; use "
+                                        "every_n_train_steps=1 for that, or give a positive duration.")
+        triggers = [f"{key}={value!r}" for key, value in (("every_n_epochs", every_n_epochs),
+                    ("every_n_train_steps", every_n_train_steps), ("train_time_interval", train_time_interval)) if value]
+        if len(triggers) > 1:
+            raise MisconfigurationError(f"ModelCheckpoint got {' and '.join(triggers)}; set only one of them.")
+        if save_on_train_epoch_end not in (None, True, False):
             raise MisconfigurationError(
-                f"ModelCheckpoint got every_n_epochs={every_n_epochs} and every_n_train_steps={every_n_train_steps}; "
-                "set only one of them."
-            )
+                f"ModelCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}) takes True, False or None.")
         self._dirpath_arg = Path(dirpath).expanduser() if dirpath is not None else None
         self.dirpath: str | None = None  # resolved in setup (default: <log_dir>/checkpoints)
         self.filename = filename or "{epoch}-{step}"
         self.monitor, self.mode, self.save_top_k, self.save_last = monitor, mode, save_top_k, save_last
         self.every_n_train_steps = every_n_train_steps or 0
-        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if self.every_n_train_steps else 1)
+        self.train_time_interval = interval
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (0 if triggers else 1)
+        self.save_on_train_epoch_end = save_on_train_epoch_end
         self.verbose, self.auto_insert_metric_name = verbose, auto_insert_metric_name
         self.save_weights_only, self.enable_version_counter = save_weights_only, enable_version_counter
         self.best_k_models: dict[str, torch.Tensor] = {}
@@ -72,6 +86,8 @@ class ModelCheckpoint(Callback):
         self.kth_value: torch.Tensor | None = None
         self.current_score: torch.Tensor | None = None
         self._last_global_step_saved = -1
+        self._last_time_check = 0.0  # time.monotonic() at the start of training or the last timed save
+        self._step_seen = -1  # global_step at the previous batch end
         self._validation_ran = False
         self._validated_step = -1
         self._warned_missing = False
@@ -89,6 +105,8 @@ class ModelCheckpoint(Callback):
         return self._key()
 
     def _key(self, **more: Any) -> str:
+        if self.train_time_interval is not None:  # only then: the keys that checkpoints already hold stay valid
+            more["train_time_interval"] = self.train_time_interval
         settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
                     "every_n_epochs": self.every_n_epochs, **more}
         return f"{type(self).__qualname__}{settings!r}"
@@ -105,14 +123,29 @@ class ModelCheckpoint(Callback):
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         # A resumed run's checkpoint already holds this step.
-        self._last_global_step_saved = trainer.global_step
+        self._last_global_step_saved = self._step_seen = trainer.global_step
+        self._last_time_check = time.monotonic()
 
     def uses_hook(self, hook: str) -> bool:
-        return hook != "on_train_batch_end" or bool(self.every_n_train_steps)
+        return hook != "on_train_batch_end" or bool(self.every_n_train_steps) or self.train_time_interval is not None
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         n = self.every_n_train_steps
         if n and trainer.global_step % n == 0:
+            self._save(trainer, at_epoch_end=False)
+        if self.train_time_interval is not None:
+            self._save_if_interval_passed(trainer)
+
+    def _save_if_interval_passed(self, trainer: Trainer) -> None:
+        # Only after a batch that stepped: a save inside an accumulation window would lack its gradients,
+        # and a resume from it would not match the uninterrupted run.
+        stepped, self._step_seen = trainer.global_step != self._step_seen, trainer.global_step
+        if not stepped:
+            return
+        now = time.monotonic()
+        # Rank 0's clock decides, so every rank saves after the same step.
+        if trainer.strategy.broadcast(now - self._last_time_check >= self.train_time_interval):
+            self._last_time_check = now
             self._save(trainer, at_epoch_end=False)
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
@@ -120,11 +153,12 @@ class ModelCheckpoint(Callback):
             return
         self._validation_ran, self._validated_step = True, trainer.global_step
         # The epoch-end validation is followed by on_train_epoch_end, which saves for it.
-        if not trainer.progress.epoch_done and self._epoch_due(trainer):
+        if not trainer.progress.epoch_done and self._epoch_due(trainer) and self.save_on_train_epoch_end is not True:
             self._save(trainer, at_epoch_end=False)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self._epoch_due(trainer):
+        validated = bool(trainer.val_dataloaders) and self._validated_step == trainer.global_step
+        if self._epoch_due(trainer) and (self.save_on_train_epoch_end is not False or validated):
             self._save(trainer, at_epoch_end=True, top_k=self._score_is_current(trainer))
         elif self.save_last and not trainer.progress.epoch_done:
             # The run stops mid-epoch (should_stop, max_steps): leave a checkpoint to resume from.

@@ -21,6 +21,8 @@ class EarlyStopping(Callback):
     default; this also covers runs without validation), otherwise after each validation; pass
     `check_on_train_epoch_end` to choose. It also stops when the value is not finite (`check_finite`),
     beats `stopping_threshold`, or is worse than `divergence_threshold`. `patience` counts checks, not epochs.
+    Every rank decides on rank 0's value, so the reason is rank 0's and printed there only; Lightning's
+    `log_rank_zero_only` is accepted for ported code and changes nothing.
     """
 
     monitors = True
@@ -28,7 +30,7 @@ class EarlyStopping(Callback):
     def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, mode: str = "min",
                  check_finite: bool = True, stopping_threshold: float | None = None,
                  divergence_threshold: float | None = None, verbose: bool = False, strict: bool = True,
-                 check_on_train_epoch_end: bool | None = None) -> None:
+                 check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False) -> None:
         if mode not in ("min", "max"):
             raise MisconfigurationError(f"EarlyStopping(mode={mode!r}) is not known; use 'min' or 'max'.")
         if not isinstance(patience, int) or patience < 0:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+import callbacks.checkpoint as checkpoint_module
 import callbacks.progress as progress_module
 from callbacks import (
     Callback,
@@ -158,6 +159,68 @@ def test_mid_epoch_validation_saves_at_validation_and_epoch_end(tmp_path):
     assert (mid["epoch_batches"], mid["epoch_done"]) == (2, False)
     end = load(Path(checkpoint.dirpath) / "epoch=1-step=8.ckpt")["loops"]["progress"]
     assert (end["epoch_batches"], end["epoch_done"]) == (4, True)
+
+
+class TickingClock:
+    """Stands in for the `time` module of callbacks.checkpoint: each reading is one second after the last."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("interval", [2.5, timedelta(seconds=2.5)])
+def test_train_time_interval_saves_after_the_first_step_that_ends_the_interval(tmp_path, monkeypatch, interval):
+    monkeypatch.setattr(checkpoint_module, "time", TickingClock())
+    # Read once at the start of training, then once per optimizer step (not per micro-batch): steps 1 and 2 end
+    # 1 and 2 seconds after the start, step 3 ends 3 seconds after it and saves; then steps 6 and 9 save.
+    checkpoint = ModelCheckpoint(train_time_interval=interval, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=5, accumulate_grad_batches=2)
+    trainer.fit(Scripted(), *loaders(batch_size=2))  # 8 micro-batches, 4 steps per epoch: 20 steps
+    assert checkpoint_names(checkpoint.dirpath) == {f"step={step}.ckpt" for step in (3, 6, 9, 12, 15, 18)}
+    for step in (3, 6):
+        progress = load(Path(checkpoint.dirpath) / f"step={step}.ckpt")["loops"]["progress"]
+        assert (progress["global_step"], progress["epoch_batches"]) == (step, 2 * step % 8)  # at a step boundary
+
+
+def test_checkpoint_save_triggers_are_checked(tmp_path):
+    with pytest.raises(MisconfigurationError, match=r"ModelCheckpoint got every_n_epochs=2 and "
+                                                    r"train_time_interval='00:01:00:00'; set only one of them\."):
+        ModelCheckpoint(every_n_epochs=2, train_time_interval="00:01:00:00")
+    with pytest.raises(MisconfigurationError, match=r"train_time_interval=0\) would save after every step"):
+        ModelCheckpoint(train_time_interval=0)
+    with pytest.raises(MisconfigurationError, match=r"ModelCheckpoint\(train_time_interval='1h'\): a string must read"):
+        ModelCheckpoint(train_time_interval="1h")
+    with pytest.raises(MisconfigurationError, match=r"save_on_train_epoch_end='yes'\) takes True, False or None"):
+        ModelCheckpoint(save_on_train_epoch_end="yes")
+    timed = ModelCheckpoint(train_time_interval={"minutes": 30})
+    assert (timed.train_time_interval, timed.every_n_epochs) == (1800.0, 0)  # no epoch-end saves of its own
+    assert timed.state_key != ModelCheckpoint().state_key
+
+
+@pytest.mark.parametrize("save_on_train_epoch_end, expected", [
+    (None, {"step=2.ckpt", "step=4.ckpt", "step=6.ckpt", "step=8.ckpt"}),
+    (True, {"step=4.ckpt", "step=8.ckpt"}),  # the mid-epoch validations save nothing
+])
+def test_save_on_train_epoch_end_leaves_mid_epoch_validations_unsaved(tmp_path, save_on_train_epoch_end, expected):
+    checkpoint = ModelCheckpoint(save_top_k=-1, filename="{step}", save_on_train_epoch_end=save_on_train_epoch_end)
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=2, val_check_interval=0.5)
+    trainer.fit(Scripted([0.0] * 4, per_validation=True), *loaders())
+    assert checkpoint_names(checkpoint.dirpath) == expected
+
+
+@pytest.mark.parametrize("save_on_train_epoch_end, expected", [
+    (None, {"step=4.ckpt", "step=8.ckpt", "step=12.ckpt", "step=16.ckpt"}),
+    (False, {"step=8.ckpt", "step=16.ckpt"}),  # only the epochs that validated
+])
+def test_save_on_train_epoch_end_false_saves_after_validations_only(tmp_path, save_on_train_epoch_end, expected):
+    checkpoint = ModelCheckpoint(save_top_k=-1, filename="{step}", save_on_train_epoch_end=save_on_train_epoch_end)
+    trainer = make_trainer(tmp_path, [checkpoint], max_epochs=4, check_val_every_n_epoch=2)
+    trainer.fit(Scripted([0.0] * 4), *loaders())
+    assert checkpoint_names(checkpoint.dirpath) == expected
 
 
 @pytest.mark.filterwarnings("error::UserWarning")  # nor warned about: the monitor is missing there by design

@@ -92,6 +92,24 @@ def test_fit_on_cuda_matches_a_hand_written_loop_on_the_same_gpu(precision, tmp_
     assert_close(module.net, reference(2, precision))
 
 
+def test_batch_transfer_hooks_see_the_batch_on_the_host_then_on_the_gpu(tmp_path):
+    class Augmented(Net):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            assert batch[0].device.type == "cpu"
+            return batch
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            x, y = batch
+            assert x.is_cuda
+            return x * 1.0, y  # where an augmentation on the GPU would go
+
+    module = Augmented()
+    Trainer(accelerator="cuda", max_epochs=2, default_root_dir=str(tmp_path), **QUIET).fit(
+        module, DataLoader(data(), batch_size=16, shuffle=True))
+    assert module.batch_devices == {"cuda:0"}
+    assert_close(module.net, reference(2))
+
+
 def test_training_loaders_are_pinned_on_cuda(tmp_path):
     module = Net()
     trainer = Trainer(accelerator="cuda", max_epochs=1, default_root_dir=str(tmp_path), **QUIET)

@@ -230,6 +230,21 @@ def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_pa
     assert (tmp_path / "x" / "baseline" / "metrics.csv").is_file()
 
 
+def test_a_loggers_prefix_goes_before_every_metric_name(datasets, tmp_path):
+    from trainer.logging import CSVLogger
+
+    train, val = datasets
+    plain, prefixed = CSVLogger(tmp_path, name="plain"), CSVLogger(tmp_path, name="prefixed", prefix="exp")
+    for logger in (plain, prefixed):
+        trainer = Trainer(max_epochs=1, logger=logger, log_every_n_steps=1, **QUIET)
+        trainer.fit(Classifier(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
+    with open(plain.metrics_path) as f:
+        names = next(csv.reader(f))
+    with open(prefixed.metrics_path) as f:
+        assert next(csv.reader(f)) == ["step"] + [f"exp-{name}" for name in names[1:]]
+    assert len(names) > 2
+
+
 def test_second_run_gets_next_version_folder(datasets):
     _, first = fit_classifier(datasets, max_epochs=1)
     _, second = fit_classifier(datasets, max_epochs=1)

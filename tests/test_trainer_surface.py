@@ -552,13 +552,66 @@ def test_lightning_hooks_this_trainer_does_not_call_are_refused_not_ignored():
         def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
             optimizer.step(closure=optimizer_closure)
 
-        def transfer_batch_to_device(self, batch, device, dataloader_idx):
-            return batch
+        def configure_model(self):
+            self.extra = nn.Linear(3, 1)
 
-    with pytest.raises(MisconfigurationError, match=r"WarmUp defines optimizer_step, transfer_batch_to_device, Lightning "
+    with pytest.raises(MisconfigurationError, match=r"WarmUp defines optimizer_step, configure_model, Lightning "
                                                     r"hook\(s\) this Trainer does not call, so they would silently do nothing. "
                                                     r"Instead: optimizer_step: for a learning-rate warm-up"):
         Trainer(**QUIET).fit(WarmUp(), loader())
+
+
+class Transferring(Counting):
+    """Batch-transfer hooks that record their calls; the batch the steps see is y scaled by 10."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transfers: list[tuple[str, int]] = []
+        self.seen_y: list[torch.Tensor] = []
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        self.transfers.append(("before", dataloader_idx))
+        x, y = batch
+        return x, y * 10
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.transfers.append((f"to {device}", dataloader_idx))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)  # Lightning's fallback idiom
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.transfers.append(("after", dataloader_idx))
+        self.seen_y.append(batch[1])
+        return batch
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        return super().validation_step(batch, batch_idx)
+
+
+def test_batch_transfer_hooks_run_in_order_with_each_loaders_index_and_change_the_batch():
+    module = Transferring()
+    Trainer(max_epochs=1, num_sanity_val_steps=0, **QUIET).fit(module, loader(8), [loader(4), loader(4)])
+    one = [("before", 0), ("to cpu", 0), ("after", 0)]
+    # Two training batches (loader 0), then one batch of each validation loader.
+    assert module.transfers == one * 2 + one + [(event, 1) for event, _ in one]
+    assert torch.equal(torch.cat(module.seen_y[:2]), dataset(8).tensors[1] * 10)  # the step's batch is the changed one
+    predictions = Trainer(**QUIET).predict(module, loader(4))
+    assert module.transfers[-3:] == one and len(predictions) == 1
+
+
+def test_a_datamodules_batch_transfer_hook_is_called_instead_of_the_modules():
+    class Data(DataModule):
+        def train_dataloader(self):
+            return loader(4)
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            self.seen_y = batch[1]
+            return batch
+
+    module, data = Transferring(), Data()
+    Trainer(max_epochs=1, **QUIET).fit(module, datamodule=data)
+    assert module.transfers == [("before", 0), ("to cpu", 0)]  # the module's other two hooks still run
+    assert torch.equal(data.seen_y, dataset(4).tensors[1] * 10) and module.seen_y == []
+    assert Trainer(**QUIET).predict(Counting(), loader(4))  # and a module without hooks moves batches itself
 
 
 def test_configure_callbacks_replaces_the_trainers_callbacks_of_the_same_type_once_per_module(tmp_path):
@@ -690,3 +743,50 @@ def test_a_datamodules_saved_state_is_back_before_it_builds_the_resumed_runs_loa
     resumed = Trainer(max_epochs=2, **options)
     resumed.fit(Counting(), datamodule=Curriculum(), ckpt_path=first.checkpoint_callback.last_model_path)
     assert (first.num_training_batches, resumed.num_training_batches) == (2, 4)
+
+
+class GrowingData(DataModule):
+    """A curriculum: built at epoch e (trainer.current_epoch), its training loader serves 4 * (e + 1) samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.built: list[tuple[str, int]] = []
+
+    def train_dataloader(self):
+        self.built.append(("train", self.trainer.current_epoch))
+        return DataLoader(dataset(4 * (self.trainer.current_epoch + 1)), batch_size=4, shuffle=True)
+
+    def val_dataloader(self):
+        self.built.append(("val", self.trainer.current_epoch))
+        return loader(8)
+
+
+class EpochBatches(Callback):
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def on_train_epoch_start(self, trainer, module):
+        self.batches.append(trainer.num_training_batches)
+
+
+def test_reload_dataloaders_every_n_epochs_asks_the_datamodule_again_and_resumes_on_the_same_loaders(tmp_path):
+    def fit(max_epochs, ckpt_path=None):
+        torch.manual_seed(0)
+        module, data, seen = Counting(), GrowingData(), EpochBatches()
+        trainer = Trainer(max_epochs=max_epochs, reload_dataloaders_every_n_epochs=2, seed=0, callbacks=[seen],
+                          **{**QUIET, "enable_checkpointing": True, "default_root_dir": str(tmp_path)})
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return trainer, module, data, seen.batches
+
+    _, whole, data, batches = fit(5)
+    assert data.built == [("train", 0), ("val", 0), ("train", 2), ("val", 2), ("train", 4), ("val", 4)]
+    assert batches == [1, 1, 3, 3, 5]  # epoch e trains on the loader built at e - e % 2
+    first, _, _, _ = fit(3)
+    # Resumed at epoch 3, which trains on what the uninterrupted run built at epoch 2: built again as of epoch 2.
+    _, resumed, data, batches = fit(5, ckpt_path=first.checkpoint_callback.last_model_path)
+    assert data.built == [("train", 0), ("val", 0), ("train", 2), ("val", 2), ("train", 4), ("val", 4)]
+    assert batches == [3, 5]
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+    with pytest.raises(MisconfigurationError, match=r"reload_dataloaders_every_n_epochs=-1 must be >= 0"):
+        Trainer(reload_dataloaders_every_n_epochs=-1)

@@ -45,6 +45,9 @@ class TrainerConfig:
     val_check_interval: Any = _opt(1.0, "Validate every this fraction of an epoch (float) or this many batches (int), "
                                    "and at each epoch's end (unlike Lightning, whose epoch end then validates only on a multiple).")
     check_val_every_n_epoch: int = _opt(1, "Validate after every n-th training epoch.")
+    reload_dataloaders_every_n_epochs: int = _opt(0, "Ask the datamodule (or module) for new train and validation "
+                                                  "loaders every n epochs (0: once per fit), e.g. for a curriculum "
+                                                  "that reads trainer.current_epoch.")
     num_sanity_val_steps: int = _opt(2, "Validation batches run before training to catch bugs early; -1 for all.")
     accumulate_grad_batches: int = _opt(1, "Micro-batches whose gradients add up before one optimizer step.")
     gradient_clip_val: Any = _opt(None, "Clip gradients at this value (unset: no clipping).")
@@ -150,7 +153,7 @@ def validate(config: TrainerConfig) -> None:
     for key in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
         value = getattr(config, key)
         _need(isinstance(value, bool), f"trainer option {key}={value!r} must be True or False.")
-    for key in ("max_steps", "min_epochs", "check_val_every_n_epoch", "num_sanity_val_steps",
+    for key in ("max_steps", "min_epochs", "check_val_every_n_epoch", "reload_dataloaders_every_n_epochs", "num_sanity_val_steps",
                 "accumulate_grad_batches", "log_every_n_steps", "devices", "num_nodes", "lr_warmup_steps", "max_restarts"):
         value = getattr(config, key)
         _need(_is_int(value), f"trainer option {key}={value!r} must be an integer.")
@@ -161,6 +164,8 @@ def validate(config: TrainerConfig) -> None:
     _need(config.num_nodes >= 1, f"num_nodes={config.num_nodes} must be at least 1.")
     _need(config.accumulate_grad_batches >= 1, f"accumulate_grad_batches={config.accumulate_grad_batches} must be at least 1.")
     _need(config.check_val_every_n_epoch >= 1, f"check_val_every_n_epoch={config.check_val_every_n_epoch} must be at least 1.")
+    _need(config.reload_dataloaders_every_n_epochs >= 0,
+          f"reload_dataloaders_every_n_epochs={config.reload_dataloaders_every_n_epochs} must be >= 0 (0: never).")
     _need(config.log_every_n_steps >= 1, f"log_every_n_steps={config.log_every_n_steps} must be at least 1.")
     _need(config.num_sanity_val_steps >= -1, f"num_sanity_val_steps={config.num_sanity_val_steps} must be >= -1.")
     _need(config.max_restarts >= 0, f"max_restarts={config.max_restarts} must be >= 0.")

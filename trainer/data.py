@@ -25,14 +25,22 @@ from torch.utils.data import (
 
 from trainer.environment import usable_cores
 from trainer.errors import MisconfigurationError
-from trainer.module import HyperparametersMixin, TrainModule
+from trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
+    from trainer.trainer import Trainer
 
 
-class DataModule(HyperparametersMixin):
-    """Owns the datasets and their loaders. `prepare_data` runs once per node; `setup` on every process."""
+class DataModule(HyperparametersMixin, BatchTransferHooks):
+    """Owns the datasets and their loaders. `prepare_data` runs once per node; `setup` on every process.
+    `self.trainer` is the Trainer running it (as in Lightning), from before `setup` on; None before."""
+
+    trainer: Trainer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The trainer travels separately to spawned workers, as for the module.
+        return {**self.__dict__, "trainer": None}
 
     def prepare_data(self) -> None:
         """Download or write files; runs on local rank 0 only, before any `setup`."""
@@ -59,6 +67,34 @@ class DataModule(HyperparametersMixin):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def batch_mover(strategy: Strategy, module: TrainModule, datamodule: DataModule | None,
+                dataloader_idx: int) -> Callable[[Any], Any]:
+    """How the batches of loader `dataloader_idx` reach the device: the strategy's move, or the batch-transfer
+    hooks where the datamodule or the module overrides one (looked up once per stage, not per batch)."""
+    hooks = [_transfer_hook(name, module, datamodule) for name in TRANSFER_HOOKS]
+    if not any(hooks):
+        return strategy.batch_to_device
+    before, transfer, after = hooks
+
+    def move(batch: Any) -> Any:
+        if before is not None:
+            batch = before(batch, dataloader_idx)
+        batch = strategy.batch_to_device(batch) if transfer is None else transfer(batch, strategy.root_device, dataloader_idx)
+        return batch if after is None else after(batch, dataloader_idx)
+
+    return move
+
+
+def _transfer_hook(name: str, module: TrainModule, datamodule: DataModule | None) -> Callable[..., Any] | None:
+    for owner in (datamodule, module):
+        if owner is not None and getattr(type(owner), name) is not getattr(BatchTransferHooks, name):
+            return getattr(owner, name)
+    return None
 
 
 # --------------------------------------------------------------------------- samplers
@@ -442,6 +478,13 @@ def stage_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodul
         if datamodule_state is not None:
             datamodule.load_state_dict(datamodule_state)
     module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
+    return build_loaders(strategy, stage, module, datamodule, loaders, seed)
+
+
+def build_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodule: DataModule | None,
+                  loaders: tuple[Any, ...], seed: int) -> list[DataLoader]:
+    """The stage's loaders (for fit: training first), from `loaders`, else the datamodule's hooks, else the
+    module's, each prepared for this rank; called again for reload_dataloaders_every_n_epochs."""
     names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
     if datamodule is not None:
         loaders = tuple(getattr(datamodule, name)() for name in names)

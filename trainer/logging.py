@@ -267,12 +267,19 @@ def version_folder(version: int | str) -> str:
 
 
 class Logger:
-    """A metrics writer. `log_dir` is `<save_dir>/<name>/version_<n>`; only rank 0 writes."""
+    """A metrics writer. `log_dir` is `<save_dir>/<name>/version_<n>`; only rank 0 writes. A `prefix` is put
+    before every metric name, joined by '-', as in Lightning."""
 
-    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | str | None = None) -> None:
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | str | None = None,
+                 prefix: str = "") -> None:
         self.save_dir = Path(save_dir)
         self.name = name
         self._version = version
+        self.prefix = prefix
+
+    def prefixed(self, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        """`metrics` with this logger's prefix on their names."""
+        return {f"{self.prefix}-{name}": value for name, value in metrics.items()} if self.prefix else metrics
 
     @property
     def version(self) -> int | str:
@@ -353,9 +360,9 @@ class CSVLogger(Logger):
     """metrics.csv (one row per logging step, one column per metric) and hparams.yaml in the version folder."""
 
     def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None,
-                 flush_every_n_rows: int = 100) -> None:
-        super().__init__(save_dir, name, version)
-        self.flush_every_n_rows = flush_every_n_rows
+                 prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+        super().__init__(save_dir, name, version, prefix)
+        self.flush_logs_every_n_steps = flush_logs_every_n_steps
         self.rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
         self._written = 0  # rows already on disk under the current header
@@ -366,11 +373,11 @@ class CSVLogger(Logger):
         return self.log_dir / "metrics.csv"
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        row = {"step": step, **metrics}
+        row = {"step": step, **self.prefixed(metrics)}
         if self._redoable:
             self._drop_redone(row)
         self.rows.append(row)
-        if len(self.rows) - self._written >= self.flush_every_n_rows:
+        if len(self.rows) - self._written >= self.flush_logs_every_n_steps:
             self.save()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
@@ -433,8 +440,9 @@ class CSVLogger(Logger):
 class TensorBoardLogger(Logger):
     """Event files for TensorBoard, through torch's SummaryWriter (needs the tensorboard package)."""
 
-    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None) -> None:
-        super().__init__(save_dir, name, version)
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None,
+                 prefix: str = "") -> None:
+        super().__init__(save_dir, name, version, prefix)
         try:
             import tensorboard  # noqa: F401
         except ImportError as err:
@@ -450,7 +458,7 @@ class TensorBoardLogger(Logger):
         return self._writer
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        for key, value in metrics.items():
+        for key, value in self.prefixed(metrics).items():
             self.writer.add_scalar(key, value, step)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:

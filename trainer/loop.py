@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.data import (
+    batch_mover,
     data_wait_advice,
     measure_data_wait,
     merge_prediction_shares,
@@ -97,14 +98,9 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     config, progress, module = trainer.config, trainer.progress, trainer.module
     guard = guard or StepGuard(trainer)
     train_step = TrainStep(trainer, guard)
-    num_batches = trainer.num_training_batches  # counted with the loader, before configure_optimizers (Trainer._run)
-    if num_batches == 0:
-        raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
+    num_batches, val_loaders, val_every = _use_loaders(trainer, val_loaders)
     _warn_if_no_step_is_logged(trainer)
-    if config.limit_val_batches == 0:
-        val_loaders = []  # validation turned off, sanity check included, as in Lightning
-    trainer.val_dataloaders = val_loaders
-    val_every = _val_every(config.val_check_interval, num_batches)
+    reload_every, loaded_epoch = config.reload_dataloaders_every_n_epochs, trainer.fit_loaders_epoch
     window = config.accumulate_grad_batches if module.automatic_optimization else 1
     step_limit = config.max_steps if config.max_steps != -1 else math.inf
 
@@ -127,6 +123,14 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
     max_epochs = config.resolved_max_epochs()
     watch_data = True  # in the first epoch of this fit: how long the steps wait for their batches
     while not _done(trainer, max_epochs):
+        # Epoch e trains on the loaders built at the start of epoch e - e % n, also in a resumed run (whose
+        # loaders were built before its checkpoint moved it on).
+        if reload_every and progress.epoch - progress.epoch % reload_every != loaded_epoch:
+            loaded_epoch = progress.epoch - progress.epoch % reload_every
+            train_loader, *val_loaders = _fit_loaders_as_of(trainer, loaded_epoch)
+            trainer.train_dataloader = train_loader
+            trainer.num_training_batches = batch_limit(train_loader, config.limit_train_batches)
+            num_batches, val_loaders, val_every = _use_loaders(trainer, val_loaders)
         module.train()
         set_epoch(train_loader, progress.epoch)
         if not skip_batches(train_loader, progress.epoch_batches):
@@ -197,6 +201,28 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
             break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
         progress.new_epoch()
     trainer.call("on_train_end")
+
+
+def _use_loaders(trainer: Trainer, val_loaders: list[DataLoader]) -> tuple[int | float, list[DataLoader], int | float]:
+    """The training batches per epoch, the validation loaders in use and the batches between validations."""
+    num_batches, config = trainer.num_training_batches, trainer.config  # counted before configure_optimizers
+    if num_batches == 0:
+        raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
+    if config.limit_val_batches == 0:
+        val_loaders = []  # validation turned off, sanity check included, as in Lightning
+    trainer.val_dataloaders = val_loaders
+    return num_batches, val_loaders, _val_every(config.val_check_interval, num_batches)
+
+
+def _fit_loaders_as_of(trainer: Trainer, epoch: int) -> list[DataLoader]:
+    """The fit's loaders asked for again, with trainer.current_epoch reading `epoch`: where a resume starts
+    after it, a loader built from the epoch (a curriculum) is the one the uninterrupted run used."""
+    progress = trainer.progress
+    current, progress.epoch = progress.epoch, epoch
+    try:
+        return trainer.build_fit_loaders()
+    finally:
+        progress.epoch = current
 
 
 def _warn_if_no_step_is_logged(trainer: Trainer) -> None:
@@ -332,10 +358,11 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
         for dataloader_idx, loader in enumerate(loaders):
             num_batches = batch_limit(loader, limit)
             trainer.metrics.name_suffix = f"/dataloader_idx_{dataloader_idx}" if several else ""
+            to_device = batch_mover(strategy, module, trainer.datamodule, dataloader_idx)
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= num_batches:
                     break
-                batch = strategy.batch_to_device(batch)
+                batch = to_device(batch)
                 trainer.metrics.batch = batch
                 trainer.call(f"on_{hook}_batch_start", batch, batch_idx, dataloader_idx)
                 outputs = strategy.eval_step(step_name, batch, batch_idx, dataloader_idx if several else None)
@@ -422,10 +449,11 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
             outputs: list[Any] = []
             keep = kept[dataloader_idx]
             num_batches = batch_limit(loader, limit) if keep is None else math.ceil(keep / replicas)
+            to_device = batch_mover(strategy, module, trainer.datamodule, dataloader_idx)
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= num_batches:
                     break
-                batch = strategy.batch_to_device(batch)
+                batch = to_device(batch)
                 trainer.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
                 output = strategy.eval_step("predict_step", batch, batch_idx, dataloader_idx if several else None)
                 trainer.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)

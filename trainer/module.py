@@ -69,7 +69,27 @@ class HyperparametersMixin:
         return self.__dict__.setdefault("_hparams", AttributeDict())
 
 
-class TrainModule(HyperparametersMixin, nn.Module):
+class BatchTransferHooks:
+    """Lightning's batch-transfer hooks, for TrainModule and DataModule alike (where both override one, the
+    DataModule's is called, as in Lightning). Training batches come from loader 0."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch before it is moved to the device."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a batch to `device`; the default moves the tensors in (nested) lists, tuples and dicts."""
+        # Imported here, not at the top: the strategies import this module.
+        from trainer.strategies.base import move_to_device
+
+        return move_to_device(batch, device, non_blocking=device.type == "cuda")
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch once it is on the device (e.g. augment it on the GPU)."""
+        return batch
+
+
+class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
     """Subclass this: define training_step and configure_optimizers; the other hooks are optional.
 
     Hook names, `self.log`, `self.hparams`, manual optimization and `load_from_checkpoint` follow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from trainer.data import batch_mover
 from trainer.errors import MisconfigurationError
 from trainer.optim import step_scheduler
 
@@ -42,12 +43,13 @@ class TrainStep:
         self.on_before_optimizer_step = trainer.hook("on_before_optimizer_step")
         self.on_before_zero_grad = trainer.hook("on_before_zero_grad")
         self.on_train_batch_end = trainer.hook("on_train_batch_end")
+        self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
         """True when on_train_batch_start returned -1: Lightning's convention for skipping the rest of the epoch."""
         strategy, progress = self.strategy, self.progress
-        batch = strategy.batch_to_device(batch)
+        batch = self.to_device(batch)
         self.metrics.batch = batch
         if self.on_train_batch_start is not None and self.on_train_batch_start(batch, batch_idx) == -1:
             return True

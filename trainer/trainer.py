@@ -20,7 +20,7 @@ from callbacks.base import Callback
 from trainer import faults
 from trainer.checkpoint import build_checkpoint, restore_checkpoint
 from trainer.config import TrainerConfig, make_config, save_run_config
-from trainer.data import STAGE_LOADERS, DataModule, own_loader, stage_loaders
+from trainer.data import STAGE_LOADERS, DataModule, build_loaders, own_loader, stage_loaders
 from trainer.errors import MisconfigurationError
 from trainer.logging import (
     RUN_ID_FILE,
@@ -80,6 +80,10 @@ class Trainer:
         self.train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
         self.val_dataloaders: list[DataLoader] = []  # and the validation loaders it validates on (none: off)
         self.num_training_batches = 0
+        # During fit: builds the fit's loaders again (reload_dataloaders_every_n_epochs), and the epoch that the
+        # current ones were built in (trainer.current_epoch then).
+        self.build_fit_loaders: Callable[[], list[DataLoader]] | None = None
+        self.fit_loaders_epoch = 0
         #: (share of the time, seconds a batch) the fit waited for training batches, measured on its first ones.
         self.data_wait: tuple[float, float] | None = None
         self._last_logged_step = -1
@@ -504,6 +508,8 @@ class Trainer:
             seed_everything(self.config.seed)
         set_determinism(self.config.deterministic, self.config.benchmark)
         module._trainer = self
+        if datamodule is not None:
+            datamodule.trainer = self
         self.metrics = MetricCollector(strategy.reduce)
         # Each stage reports its own values, as in Lightning: a test after a fit does not show the fit's.
         self.callback_metrics, self.logged_metrics, self._bar_values = {}, {}, {}
@@ -519,6 +525,9 @@ class Trainer:
                 # Known before configure_optimizers, which may read estimated_stepping_batches (OneCycleLR).
                 self.train_dataloader = prepared[0]
                 self.num_training_batches = batch_limit(prepared[0], self.config.limit_train_batches)
+                self.build_fit_loaders = functools.partial(build_loaders, strategy, stage, module, datamodule, loaders,
+                                                           self.config.seed or 0)
+                self.fit_loaders_epoch = self.progress.epoch  # before a checkpoint moves the run on
                 self._setup_optimizers(module)
             for callback in self.callbacks:
                 callback.setup(self, module, stage)
@@ -693,9 +702,6 @@ _UNCALLED_LIGHTNING_HOOKS = {
     "optimizer_zero_grad": "gradients are zeroed (set to None) after every optimizer step",
     "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip in "
                                    "on_before_optimizer_step",
-    "on_before_batch_transfer": "change batches in the DataLoader's collate_fn, or at the top of the step",
-    "on_after_batch_transfer": "change batches at the top of the step",
-    "transfer_batch_to_device": "batches of tensors, lists, tuples and dicts are moved for you; move others in the step",
     "configure_model": "build layers in __init__ or setup(stage)",
     "configure_sharded_model": "build layers in __init__ or setup(stage)",
     "backward": "use on_before_backward / on_after_backward, or manual optimization with self.manual_backward",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,8 @@ def test_options_through_the_registry_and_their_errors():
                           ("val_check_interval=10", {"val_check_interval": 10}),
                           ("val_check_interval=0.5", {"val_check_interval": 0.5}),
                           ("max_time", {"max_time": 60}),  # a time budget checked after every step
+                          ("ModelCheckpoint(train_time_interval=600.0s)",
+                           {"callbacks": [ModelCheckpoint(train_time_interval=timedelta(minutes=10))]}),
                           ("Timer(interval='step')", {"callbacks": [Timer(duration=60)]})):
         with pytest.raises(MisconfigurationError, match=rf"{re.escape(what)} needs every process to reach the same steps"):
             Trainer(strategy="ps", devices=3, accelerator="cpu", **options)

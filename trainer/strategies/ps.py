@@ -321,9 +321,11 @@ class ParameterServerStrategy(Strategy):
         # them is a collective that the workers would reach different numbers of times, and wait forever.
         every_n = [f"{type(c).__name__}(every_n_train_steps={c.every_n_train_steps})" for c in callbacks
                    if getattr(c, "every_n_train_steps", 0)]
-        # A time budget checked after every step asks rank 0's clock each step.
+        # A time budget checked after every step asks rank 0's clock each step, and so does a timed save.
         every_n += ["max_time" if config.max_time is not None else "Timer(interval='step')" for c in callbacks
                     if isinstance(c, Timer) and c.duration is not None and c.interval == "step"]
+        every_n += [f"{type(c).__name__}(train_time_interval={c.train_time_interval}s)" for c in callbacks
+                    if getattr(c, "train_time_interval", None) is not None]
         if not (isinstance(config.val_check_interval, float) and config.val_check_interval == 1.0):  # int 1: every batch
             every_n.append(f"val_check_interval={config.val_check_interval}")
         if every_n:
