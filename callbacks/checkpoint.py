@@ -158,10 +158,12 @@ class ModelCheckpoint(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         validated = bool(trainer.val_dataloaders) and self._validated_step == trainer.global_step
-        if self._epoch_due(trainer) and (self.save_on_train_epoch_end is not False or validated):
+        saves_here = self.save_on_train_epoch_end is not False or validated
+        if self._epoch_due(trainer) and saves_here:
             self._save(trainer, at_epoch_end=True, top_k=self._score_is_current(trainer))
-        elif self.save_last and not trainer.progress.epoch_done:
-            # The run stops mid-epoch (should_stop, max_steps): leave a checkpoint to resume from.
+        elif self.save_last and (saves_here or not trainer.progress.epoch_done):
+            # last.ckpt holds every epoch end, as in Lightning, whatever saves the ranked files (every n epochs,
+            # steps or seconds); and a run that stops mid-epoch (should_stop, max_steps) leaves one to resume from.
             self._save(trainer, at_epoch_end=True, top_k=False)
 
     def _score_is_current(self, trainer: Trainer) -> bool:

@@ -177,10 +177,11 @@ def test_train_time_interval_saves_after_the_first_step_that_ends_the_interval(t
     monkeypatch.setattr(checkpoint_module, "time", TickingClock())
     # Read once at the start of training, then once per optimizer step (not per micro-batch): steps 1 and 2 end
     # 1 and 2 seconds after the start, step 3 ends 3 seconds after it and saves; then steps 6 and 9 save.
-    checkpoint = ModelCheckpoint(train_time_interval=interval, save_top_k=-1, filename="{step}")
+    checkpoint = ModelCheckpoint(train_time_interval=interval, save_top_k=-1, filename="{step}", save_last=True)
     trainer = make_trainer(tmp_path, [checkpoint], max_epochs=5, accumulate_grad_batches=2)
     trainer.fit(Scripted(), *loaders(batch_size=2))  # 8 micro-batches, 4 steps per epoch: 20 steps
-    assert checkpoint_names(checkpoint.dirpath) == {f"step={step}.ckpt" for step in (3, 6, 9, 12, 15, 18)}
+    assert checkpoint_names(checkpoint.dirpath) == {f"step={step}.ckpt" for step in (3, 6, 9, 12, 15, 18)} | {"last.ckpt"}
+    assert load(checkpoint.last_model_path)["loops"]["progress"]["global_step"] == 20  # every epoch end, as in Lightning
     for step in (3, 6):
         progress = load(Path(checkpoint.dirpath) / f"step={step}.ckpt")["loops"]["progress"]
         assert (progress["global_step"], progress["epoch_batches"]) == (step, 2 * step % 8)  # at a step boundary

@@ -244,6 +244,15 @@ def test_a_loggers_prefix_goes_before_every_metric_name(datasets, tmp_path):
         assert next(csv.reader(f)) == ["step"] + [f"exp-{name}" for name in names[1:]]
     assert len(names) > 2
 
+    # A resume reads the rows back and rewrites them: the prefixed epoch column stays whole numbers.
+    resumed = CSVLogger(tmp_path, name="prefixed", prefix="exp")
+    resumed.load_state_dict(prefixed.state_dict())
+    resumed.log_metrics({"epoch": 1, "loss": 0.5}, step=99)
+    resumed.save()
+    with open(prefixed.metrics_path) as f:
+        epochs = [row["exp-epoch"] for row in csv.DictReader(f) if row["exp-epoch"]]
+    assert epochs and all(epoch in ("0", "1") for epoch in epochs), epochs
+
 
 def test_second_run_gets_next_version_folder(datasets):
     _, first = fit_classifier(datasets, max_epochs=1)

@@ -548,17 +548,106 @@ def test_lightning_calls_and_names_port_unchanged(tmp_path):
 
 
 def test_lightning_hooks_this_trainer_does_not_call_are_refused_not_ignored():
-    class WarmUp(Counting):
-        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
-            optimizer.step(closure=optimizer_closure)
-
-        def configure_model(self):
+    class Sharded(Counting):
+        def configure_sharded_model(self):
             self.extra = nn.Linear(3, 1)
 
-    with pytest.raises(MisconfigurationError, match=r"WarmUp defines optimizer_step, configure_model, Lightning "
-                                                    r"hook\(s\) this Trainer does not call, so they would silently do nothing. "
-                                                    r"Instead: optimizer_step: for a learning-rate warm-up"):
-        Trainer(**QUIET).fit(WarmUp(), loader())
+    with pytest.raises(MisconfigurationError, match=r"Sharded defines configure_sharded_model, Lightning hook\(s\) this "
+                                                    r"Trainer does not call, so they would silently do nothing. Instead: "
+                                                    r"configure_sharded_model: rename it configure_model"):
+        Trainer(**QUIET).fit(Sharded(), loader())
+
+
+class OwnOptimizerHooks(Counting):
+    """Lightning's three optimizer hooks overridden: a learning-rate warm-up in optimizer_step, gradients kept
+    over pairs of steps by optimizer_zero_grad, and clipping by value in configure_gradient_clipping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closure_losses: list[float] = []
+        self.clip_arguments: set[tuple] = set()
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.05 * min(1.0, (self.trainer.global_step + 1) / 3)
+        self.closure_losses.append(float(optimizer.step(closure=optimizer_closure)))
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        if self.trainer.global_step % 2 == 1:  # called before global_step counts this step
+            optimizer.zero_grad()
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_arguments.add((gradient_clip_val, gradient_clip_algorithm))
+        self.clip_gradients(optimizer, 0.1, "value")
+
+
+def test_a_modules_optimizer_hooks_step_zero_and_clip_as_a_hand_written_loop_does():
+    torch.manual_seed(0)
+    module = OwnOptimizerHooks()
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(module.layer.state_dict())
+    trainer = Trainer(max_epochs=2, gradient_clip_val=5.0, **QUIET)
+    trainer.fit(module, loader(20))  # 5 steps an epoch, in order
+
+    optimizer, losses, step = torch.optim.SGD(reference.parameters(), lr=0.05), [], 0
+    for _ in range(2):
+        for x, y in loader(20):
+            loss = F.mse_loss(reference(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(reference.parameters(), 0.1)
+            optimizer.param_groups[0]["lr"] = 0.05 * min(1.0, (step + 1) / 3)
+            optimizer.step()
+            losses.append(loss.item())
+            if step % 2 == 1:
+                optimizer.zero_grad()
+            step += 1
+    assert module.closure_losses == losses  # the closure gives the step's loss
+    assert module.clip_arguments == {(5.0, "norm")}  # the Trainer's settings, which the override may ignore
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(module.layer.state_dict()[name], tensor), name
+
+
+def test_a_modules_backward_and_configure_model_are_called_as_in_lightning():
+    class Built(Counting):
+        def __init__(self):
+            super().__init__()
+            self.head = None
+            self.backwards = 0
+
+        def configure_model(self):
+            if self.head is None:  # idempotent: each stage calls it
+                self.head = nn.Linear(1, 1)
+                self.initial_head = self.head.weight.detach().clone()
+
+        def forward(self, x):
+            return self.head(self.layer(x))
+
+        def backward(self, loss):
+            self.backwards += 1
+            loss.backward(retain_graph=True)
+
+    module = Built()
+    trainer = Trainer(max_epochs=2, **QUIET)
+    trainer.fit(module, loader(8))
+    head = module.head
+    assert module.backwards == trainer.global_step == 4
+    assert not torch.equal(head.weight, module.initial_head)  # built before configure_optimizers, so trained
+    trainer.test(module, loader(8))
+    assert module.head is head  # built once
+
+    class Manual(Built):
+        automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            x, y = batch
+            self.manual_backward(F.mse_loss(self(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    manual = Manual()
+    Trainer(max_epochs=1, **QUIET).fit(manual, loader(8))
+    assert manual.backwards == 2
 
 
 class Transferring(Counting):
@@ -568,6 +657,7 @@ class Transferring(Counting):
         super().__init__()
         self.transfers: list[tuple[str, int]] = []
         self.seen_y: list[torch.Tensor] = []
+        self.stages: list[list[str]] = []  # the Trainer's flags set at each batch
 
     def on_before_batch_transfer(self, batch, dataloader_idx):
         self.transfers.append(("before", dataloader_idx))
@@ -581,6 +671,9 @@ class Transferring(Counting):
     def on_after_batch_transfer(self, batch, dataloader_idx):
         self.transfers.append(("after", dataloader_idx))
         self.seen_y.append(batch[1])
+        trainer = self.trainer
+        self.stages.append([name for name in ("sanity_checking", "training", "validating", "testing", "predicting")
+                            if getattr(trainer, name)])
         return batch
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
@@ -589,15 +682,18 @@ class Transferring(Counting):
 
 def test_batch_transfer_hooks_run_in_order_with_each_loaders_index_and_change_the_batch():
     module = Transferring()
-    Trainer(max_epochs=1, num_sanity_val_steps=0, **QUIET).fit(module, loader(8), [loader(4), loader(4)])
+    Trainer(max_epochs=1, num_sanity_val_steps=1, **QUIET).fit(module, loader(8), [loader(4), loader(4)])
     one = [("before", 0), ("to cpu", 0), ("after", 0)]
-    # Two training batches (loader 0), then one batch of each validation loader.
-    assert module.transfers == one * 2 + one + [(event, 1) for event, _ in one]
-    assert torch.equal(torch.cat(module.seen_y[:2]), dataset(8).tensors[1] * 10)  # the step's batch is the changed one
+    # The sanity check's batch of each validation loader, two training batches (loader 0), then the validation.
+    second_loader = [(event, 1) for event, _ in one]
+    assert module.transfers == one + second_loader + one * 2 + one + second_loader
+    assert torch.equal(torch.cat(module.seen_y[2:4]), dataset(8).tensors[1] * 10)  # the step's batch is the changed one
     predictions = Trainer(**QUIET).predict(module, loader(4))
     assert module.transfers[-3:] == one and len(predictions) == 1
+    assert module.stages == [["sanity_checking"]] * 2 + [["training"]] * 2 + [["validating"]] * 2 + [["predicting"]]
 
 
+@pytest.mark.filterwarnings("ignore:both Data and Transferring define")
 def test_a_datamodules_batch_transfer_hook_is_called_instead_of_the_modules():
     class Data(DataModule):
         def train_dataloader(self):
@@ -611,6 +707,20 @@ def test_a_datamodules_batch_transfer_hook_is_called_instead_of_the_modules():
     Trainer(max_epochs=1, **QUIET).fit(module, datamodule=data)
     assert module.transfers == [("before", 0), ("to cpu", 0)]  # the module's other two hooks still run
     assert torch.equal(data.seen_y, dataset(4).tensors[1] * 10) and module.seen_y == []
+
+
+def test_a_hook_both_module_and_datamodule_define_is_the_datamodules_with_a_warning():
+    class Data(DataModule):
+        def train_dataloader(self):
+            return loader(4)
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    module = Transferring()
+    with pytest.warns(UserWarning, match="both Data and Transferring define on_before_batch_transfer; the datamodule's"):
+        Trainer(max_epochs=1, **QUIET).fit(module, datamodule=Data())
+    assert module.transfers == [("to cpu", 0), ("after", 0)]
     assert Trainer(**QUIET).predict(Counting(), loader(4))  # and a module without hooks moves batches itself
 
 
@@ -754,7 +864,8 @@ class GrowingData(DataModule):
 
     def train_dataloader(self):
         self.built.append(("train", self.trainer.current_epoch))
-        return DataLoader(dataset(4 * (self.trainer.current_epoch + 1)), batch_size=4, shuffle=True)
+        chosen = torch.randperm(64)[: 4 * (self.trainer.current_epoch + 1)].tolist()  # a random subset
+        return DataLoader(torch.utils.data.Subset(dataset(64), chosen), batch_size=4, shuffle=True)
 
     def val_dataloader(self):
         self.built.append(("val", self.trainer.current_epoch))
@@ -782,7 +893,8 @@ def test_reload_dataloaders_every_n_epochs_asks_the_datamodule_again_and_resumes
     assert data.built == [("train", 0), ("val", 0), ("train", 2), ("val", 2), ("train", 4), ("val", 4)]
     assert batches == [1, 1, 3, 3, 5]  # epoch e trains on the loader built at e - e % 2
     first, _, _, _ = fit(3)
-    # Resumed at epoch 3, which trains on what the uninterrupted run built at epoch 2: built again as of epoch 2.
+    # Resumed at epoch 3, which trains on what the uninterrupted run built at epoch 2: built again as of epoch 2,
+    # with the same random draws.
     _, resumed, data, batches = fit(5, ckpt_path=first.checkpoint_callback.last_model_path)
     assert data.built == [("train", 0), ("val", 0), ("train", 2), ("val", 2), ("train", 4), ("val", 4)]
     assert batches == [3, 5]

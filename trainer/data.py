@@ -91,10 +91,12 @@ def batch_mover(strategy: Strategy, module: TrainModule, datamodule: DataModule 
 
 
 def _transfer_hook(name: str, module: TrainModule, datamodule: DataModule | None) -> Callable[..., Any] | None:
-    for owner in (datamodule, module):
-        if owner is not None and getattr(type(owner), name) is not getattr(BatchTransferHooks, name):
-            return getattr(owner, name)
-    return None
+    owners = [owner for owner in (datamodule, module)
+              if owner is not None and getattr(type(owner), name) is not getattr(BatchTransferHooks, name)]
+    if len(owners) == 2:
+        warnings.warn(f"both {type(datamodule).__name__} and {type(module).__name__} define {name}; the datamodule's "
+                      "is called, as in Lightning.", stacklevel=2)
+    return getattr(owners[0], name) if owners else None
 
 
 # --------------------------------------------------------------------------- samplers
@@ -478,6 +480,7 @@ def stage_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodul
         if datamodule_state is not None:
             datamodule.load_state_dict(datamodule_state)
     module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
+    module.configure_model()
     return build_loaders(strategy, stage, module, datamodule, loaders, seed)
 
 

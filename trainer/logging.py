@@ -418,8 +418,8 @@ class CSVLogger(Logger):
             with open(self.metrics_path, newline="") as f:
                 for row in csv.DictReader(f):
                     # step and epoch were written as ints: read them back as ints, or the rewrite says "0.0".
-                    rows.append({k: int(float(v)) if k in ("step", "epoch") else float(v)
-                                 for k, v in row.items() if v != ""})
+                    counts = ("step", "epoch", f"{self.prefix}-epoch")
+                    rows.append({k: int(float(v)) if k in counts else float(v) for k, v in row.items() if v != ""})
         saved, step = state.get("rows", len(rows)), state.get("step", -1)
         kept_after = [row for row in rows[saved:] if row.get("step", step + 1) <= step]
         self.rows = rows[:saved] + kept_after

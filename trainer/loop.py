@@ -27,7 +27,7 @@ from trainer.data import (
 from trainer.errors import MisconfigurationError
 from trainer.faults import StepGuard
 from trainer.optim import step_scheduler
-from trainer.rng import rng_state, set_rng_state
+from trainer.rng import rng_state, seeded, set_rng_state
 from trainer.step import TrainStep
 from trainer.strategies.base import move_to_device
 
@@ -215,12 +215,15 @@ def _use_loaders(trainer: Trainer, val_loaders: list[DataLoader]) -> tuple[int |
 
 
 def _fit_loaders_as_of(trainer: Trainer, epoch: int) -> list[DataLoader]:
-    """The fit's loaders asked for again, with trainer.current_epoch reading `epoch`: where a resume starts
-    after it, a loader built from the epoch (a curriculum) is the one the uninterrupted run used."""
+    """The fit's loaders asked for again, with trainer.current_epoch reading `epoch` and the random generators
+    seeded from the run's seed and `epoch` (then given back): where a resume starts after `epoch`, a loader
+    built from the epoch or from random draws (a curriculum, a random subset) is the one the uninterrupted run
+    used, and training draws the same numbers after the reload as without it."""
     progress = trainer.progress
     current, progress.epoch = progress.epoch, epoch
     try:
-        return trainer.build_fit_loaders()
+        with seeded((trainer.config.seed or 0) + epoch):
+            return trainer.build_fit_loaders()
     finally:
         progress.epoch = current
 

@@ -190,10 +190,35 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
     def teardown(self, stage: str) -> None:
         """Called at the end of each stage in every process."""
 
+    def configure_model(self) -> None:
+        """Called after setup(stage), each stage, in every process: build layers here (make it idempotent:
+        a second stage calls it again on the same module)."""
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward of the loss (already scaled under a grad scaler); override for e.g. retain_graph=True.
+        Automatic optimization and manual_backward both go through it."""
+        loss.backward(*args, **kwargs)
+
     def on_before_backward(self, loss: torch.Tensor) -> None: ...
     def on_after_backward(self) -> None: ...
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Step the optimizer (automatic optimization); override to act around the step, e.g. a learning-rate
+        warm-up, as in Lightning. Forward and backward have already run: the closure returns the step's loss.
+        A step the override leaves out still counts in global_step."""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the gradients after each optimizer step (automatic optimization); the default sets them to None."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip before each optimizer step, with the Trainer's gradient_clip_val and gradient_clip_algorithm
+        (None: no clipping); override to clip your own way, e.g. with self.clip_gradients."""
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 

@@ -206,3 +206,21 @@ class ManualOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+class HookOptimizer:
+    """The optimizer a module's `optimizer_step` override gets, as Lightning's LightningOptimizer: `step`
+    goes through `apply` (the strategy's step: grad scaler, parameter-server push, learning-rate warm-up).
+    Forward and backward have already run, so a closure is called once, for the step's loss; an optimizer
+    that evaluates it again and again (LBFGS) needs manual optimization. The rest is the optimizer's."""
+
+    def __init__(self, optimizer: Optimizer, apply: Callable[[Optimizer], None]) -> None:
+        self.optimizer, self._apply = optimizer, apply
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
+        self._apply(self.optimizer)
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
@@ -62,8 +65,9 @@ class Precision:
         dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
         return torch.autocast(self.device_type, dtype=dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, module: TrainModule) -> None:
+        """The module's backward of the loss, scaled where a grad scaler is in use."""
+        module.backward(self.scaler.scale(loss) if self.scaler is not None else loss)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients back to their true scale (before clipping)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,13 +15,29 @@ import torch
 def seed_everything(seed: int, deterministic: bool = False, workers: bool = True) -> int:
     """Seed python, numpy and torch (all devices); optionally ask torch for deterministic kernels.
     DataLoader workers are always seeded from it (`workers` is Lightning's switch for that, taken as given)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    _seed_generators(seed)
     os.environ["PL_GLOBAL_SEED"] = str(seed)  # read by DataLoader workers started later
     if deterministic:
         set_determinism(True)
     return seed
+
+
+def _seed_generators(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the block on generators seeded with `seed`, and give them back their states afterwards: what it
+    draws is the same wherever it runs, and what follows draws as if it had not run."""
+    saved = rng_state()
+    _seed_generators(seed)
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
 
 
 def set_determinism(deterministic: bool, benchmark: bool | None = None) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from trainer.data import batch_mover
 from trainer.errors import MisconfigurationError
-from trainer.optim import step_scheduler
+from trainer.module import TrainModule
+from trainer.optim import HookOptimizer, step_scheduler
+from trainer.strategies.base import step_loss
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from trainer.faults import StepGuard
     from trainer.trainer import Trainer
 
@@ -43,6 +48,9 @@ class TrainStep:
         self.on_before_optimizer_step = trainer.hook("on_before_optimizer_step")
         self.on_before_zero_grad = trainer.hook("on_before_zero_grad")
         self.on_train_batch_end = trainer.hook("on_train_batch_end")
+        self.module_optimizer_step = _module_override(trainer.module, "optimizer_step")
+        self.module_zero_grad = _module_override(trainer.module, "optimizer_zero_grad")
+        self.module_clipping = _module_override(trainer.module, "configure_gradient_clipping")
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
@@ -71,7 +79,7 @@ class TrainStep:
                     self.on_after_backward()
                 # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
                 if self.guard.allow_step(outputs, batch_idx, stepping):
-                    self.optimizer_step()
+                    self.optimizer_step(batch_idx, outputs)
         progress.epoch_batches = batch_idx + 1
         if self.on_train_batch_end is None:
             self.trainer.publish_step_metrics()
@@ -97,24 +105,42 @@ class TrainStep:
                 "optimization it must return the loss tensor or a dict with key 'loss' (None skips a batch), or set "
                 "`automatic_optimization = False`.")
 
-    def optimizer_step(self) -> None:
-        """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers."""
+    def optimizer_step(self, batch_idx: int, outputs: Any) -> None:
+        """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers;
+        through the module's optimizer_step, optimizer_zero_grad and configure_gradient_clipping where it
+        overrides them."""
         strategy, progress = self.strategy, self.progress
         warming_up = progress.global_step < self.lr_scaler.warmup_end
         for optimizer in self.optimizers:
             if self.on_before_optimizer_step is not None:
                 self.on_before_optimizer_step(optimizer)
-            if self.clip_value is not None:
+            if self.module_clipping is not None:
+                self.module_clipping(optimizer, self.clip_value, self.clip_algorithm if self.clip_value else None)
+            elif self.clip_value is not None:
                 strategy.clip_gradients(optimizer, self.clip_value, self.clip_algorithm)
-            if warming_up:
+            if self.module_optimizer_step is not None:
+                apply = (functools.partial(self.lr_scaler.step, global_step=progress.global_step,
+                                           optimizer_step=strategy.optimizer_step) if warming_up else strategy.optimizer_step)
+                closure = step_loss(outputs).detach  # the step's loss, without the graph that backward freed
+                self.module_optimizer_step(progress.epoch, batch_idx, HookOptimizer(optimizer, apply), closure)
+            elif warming_up:
                 self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step)
             else:
                 strategy.optimizer_step(optimizer)
             if self.on_before_zero_grad is not None:
                 self.on_before_zero_grad(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            if self.module_zero_grad is not None:
+                self.module_zero_grad(progress.epoch, batch_idx, optimizer)
+            else:
+                optimizer.zero_grad(set_to_none=True)
         progress.global_step += 1
         progress.batches_stepped += 1
         for scheduler in self.step_schedulers:
             if progress.global_step % scheduler.frequency == 0:
                 step_scheduler(scheduler, self.trainer.callback_metrics, self.module.lr_scheduler_step)
+
+
+def _module_override(module: TrainModule, name: str) -> Callable[..., Any] | None:
+    """The module's `name` hook where it overrides TrainModule's, else None (the loop's own path is taken)."""
+    method = getattr(module, name)
+    return None if getattr(method, "__func__", None) is getattr(TrainModule, name) else method

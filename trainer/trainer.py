@@ -162,6 +162,24 @@ class Trainer:
         return self.progress.epoch
 
     @property
+    def training(self) -> bool:
+        """In fit's training loop (not its validations), as Lightning's `trainer.training`."""
+        return self.stage == "fit" and self.metrics is not None and self.metrics.stage == "train"
+
+    @property
+    def validating(self) -> bool:
+        """In a validation loop, of fit or of `validate` (not the sanity check, as in Lightning)."""
+        return self.metrics is not None and self.metrics.stage == "validation" and not self.sanity_checking
+
+    @property
+    def testing(self) -> bool:
+        return self.stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.stage == "predict"
+
+    @property
     def global_step(self) -> int:
         return self.progress.global_step
 
@@ -487,6 +505,8 @@ class Trainer:
             outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
             # As after a stage run here, test() may follow fit() on the same module and datamodule.
             self.stage, self.module, self.datamodule = stage, module, datamodule
+            if datamodule is not None:
+                datamodule.trainer = self
             launcher.adopt(self, module, outcome)
             return outcome["result"]
         return self._run(stage, module, datamodule, ckpt, *loaders, environment=environment)["result"]
@@ -697,14 +717,7 @@ _EPOCH_SUFFIX = re.compile(r"_epoch(?=$|/dataloader_idx_\d+$)")
 
 #: LightningModule hooks this Trainer does not call, with what to do instead: overridden, they would do nothing.
 _UNCALLED_LIGHTNING_HOOKS = {
-    "optimizer_step": "for a learning-rate warm-up use a scheduler or Trainer(lr_warmup_steps=...); to step yourself, "
-                      "set automatic_optimization = False",
-    "optimizer_zero_grad": "gradients are zeroed (set to None) after every optimizer step",
-    "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip in "
-                                   "on_before_optimizer_step",
-    "configure_model": "build layers in __init__ or setup(stage)",
-    "configure_sharded_model": "build layers in __init__ or setup(stage)",
-    "backward": "use on_before_backward / on_after_backward, or manual optimization with self.manual_backward",
+    "configure_sharded_model": "rename it configure_model (its Lightning 2 name), which runs after setup(stage)",
 }
 
 

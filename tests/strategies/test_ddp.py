@@ -480,7 +480,7 @@ def test_after_a_fit_in_started_processes_the_caller_tests_on_its_datamodule_and
     monkeypatch.setattr(launcher, "launch", lambda trainer, stage, *run_args: started.append(stage) or {"result": None})
     trainer, datamodule = Trainer(strategy="ddp", devices=2, logger=False, **QUIET), TrainOnly()
     trainer.fit(Net(), datamodule=datamodule)
-    assert started == ["fit"] and trainer.datamodule is datamodule
+    assert started == ["fit"] and trainer.datamodule is datamodule and datamodule.trainer is trainer
     trainer.test()  # on the fit's datamodule, as after a fit in one process
     assert started == ["fit", "test"]
     with pytest.raises(MisconfigurationError, match="trainer.save_checkpoint needs a run's state in this process"):

@@ -410,6 +410,13 @@ def test_model_errors_name_the_fix(monkeypatch):
                     logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(MisconfigurationError, match=r"split point 'blocks.9' is not a submodule"):
         split.fit(fresh(), DataLoader(dataset(), batch_size=8))
+    class OwnBackward(Sampling):
+        def backward(self, loss):
+            loss.backward(retain_graph=True)
+
+    with pytest.raises(MisconfigurationError, match=r"schedule's backward, stage by stage, so OwnBackward.backward would "
+                                                    r"never be called"):
+        trainer.fit(OwnBackward(), DataLoader(dataset(), batch_size=8))
     assert started == []
     configured().check_module(Sampling(), "fit")  # trains and validates on pipeline_loss
 

@@ -209,8 +209,8 @@ class Strategy:
             return run_step(self.module, "training_step", batch, batch_idx)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward with the precision's scaling."""
-        self.precision.backward(loss)
+        """The module's backward, with the precision's scaling."""
+        self.precision.backward(loss, self.module)
 
     def forward_backward(
         self, batch: Any, batch_idx: int, loss_scale: float, before_backward: Callable[[torch.Tensor], None] | None

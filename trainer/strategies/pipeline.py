@@ -208,6 +208,9 @@ class PipelineStrategy(Strategy):
     def check_module(self, module: TrainModule, stage: str) -> None:
         if stage == "fit" and not module.automatic_optimization:
             raise MisconfigurationError("strategy='pipeline' runs its schedule's backward; set automatic_optimization = True.")
+        if stage == "fit" and type(module).backward is not TrainModule.backward:
+            raise MisconfigurationError(f"strategy='pipeline' runs its schedule's backward, stage by stage, so "
+                                        f"{type(module).__name__}.backward would never be called; remove it.")
         own_step = {"validate": "pipeline_validation_step", "test": "pipeline_test_step"}.get(stage)
         needs_loss = stage == "fit" or (own_step is not None and not hasattr(module, own_step))
         if needs_loss and type(module).pipeline_loss is TrainModule.pipeline_loss:
@@ -219,8 +222,8 @@ class PipelineStrategy(Strategy):
                 "Predict with strategy='single' or 'ddp': a pipeline run's checkpoints load into any strategy."
             )
         # The cut itself (split points, pipeline_stages, tied weights), so that it fails before processes start;
-        # a module that builds layers in its setup(stage) is cut once it has them, in the workers.
-        if type(module).setup is TrainModule.setup:
+        # a module that builds layers in its setup(stage) or configure_model is cut once it has them, in the workers.
+        if type(module).setup is TrainModule.setup and type(module).configure_model is TrainModule.configure_model:
             stage_ownership(module, build_stage_modules(module, self.num_chunks, self.split_points))
 
     def setup_module(self, module: TrainModule) -> None:
