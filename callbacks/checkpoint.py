@@ -31,8 +31,10 @@ class ModelCheckpoint(Callback):
     after the first optimizer step once `train_time_interval` (a timedelta, seconds, or 'DD:HH:MM:SS') has
     passed since the last such save; never twice for one global step and never while sanity checking.
     `save_on_train_epoch_end=True` saves at training epoch ends only (not after mid-epoch validations);
-    `False` saves after validations only (an epoch end that no validation preceded saves nothing). `save_last` also keeps `last.ckpt`:
-    when a top-k file was written at the same step it is a second name for that file (a hard link).
+    `False` saves after validations only (an epoch end that no validation preceded saves nothing).
+    `save_last` also keeps `last.ckpt`, written at every epoch end that saves (whatever triggers the ranked
+    files) and at a stop mid-epoch; when a top-k file was written at the same step it is a second name for
+    that file (a hard link).
     `filename` is a template holding `{epoch}`, `{step}` and logged metrics with optional format specs:
     `"{epoch}-{val/acc:.4f}"` gives `epoch=3-val_acc=0.9123.ckpt` ('/' becomes '_'; `name=` is inserted
     unless auto_insert_metric_name=False). A name already taken gets `-v1`, `-v2`, ... (with
