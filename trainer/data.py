@@ -25,7 +25,7 @@ from torch.utils.data import (
 
 from trainer.environment import usable_cores
 from trainer.errors import MisconfigurationError
-from trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule
+from trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule, overridden
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
@@ -91,12 +91,12 @@ def batch_mover(strategy: Strategy, module: TrainModule, datamodule: DataModule 
 
 
 def _transfer_hook(name: str, module: TrainModule, datamodule: DataModule | None) -> Callable[..., Any] | None:
-    owners = [owner for owner in (datamodule, module)
-              if owner is not None and getattr(type(owner), name) is not getattr(BatchTransferHooks, name)]
-    if len(owners) == 2:
+    hooks = [hook for hook in (overridden(datamodule, name, BatchTransferHooks), overridden(module, name, BatchTransferHooks))
+             if hook is not None]
+    if len(hooks) == 2:
         warnings.warn(f"both {type(datamodule).__name__} and {type(module).__name__} define {name}; the datamodule's "
                       "is called, as in Lightning.", stacklevel=2)
-    return getattr(owners[0], name) if owners else None
+    return hooks[0] if hooks else None
 
 
 # --------------------------------------------------------------------------- samplers

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,18 @@ class HyperparametersMixin:
         """The saved hyperparameters."""
         # Created on first use, so a subclass that skips super().__init__() still has them.
         return self.__dict__.setdefault("_hparams", AttributeDict())
+
+
+_ABSENT = object()
+
+
+def overridden(owner: Any, name: str, base: type) -> Callable[..., Any] | None:
+    """`owner.<name>`, bound, where it is not `base`'s (whose body is a default the loop need not call), else
+    None; also None where `owner` (e.g. None) has no such attribute."""
+    method = getattr(owner, name, None)
+    if method is None or getattr(method, "__func__", None) is getattr(base, name, _ABSENT):
+        return None
+    return method
 
 
 class BatchTransferHooks:

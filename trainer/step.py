@@ -7,13 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.data import batch_mover
 from trainer.errors import MisconfigurationError
-from trainer.module import TrainModule
+from trainer.module import TrainModule, overridden
 from trainer.optim import HookOptimizer, step_scheduler
 from trainer.strategies.base import step_loss
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from trainer.faults import StepGuard
     from trainer.trainer import Trainer
 
@@ -48,9 +46,10 @@ class TrainStep:
         self.on_before_optimizer_step = trainer.hook("on_before_optimizer_step")
         self.on_before_zero_grad = trainer.hook("on_before_zero_grad")
         self.on_train_batch_end = trainer.hook("on_train_batch_end")
-        self.module_optimizer_step = _module_override(trainer.module, "optimizer_step")
-        self.module_zero_grad = _module_override(trainer.module, "optimizer_zero_grad")
-        self.module_clipping = _module_override(trainer.module, "configure_gradient_clipping")
+        # Lightning's optimizer hooks where the module overrides them; None: the loop's own path.
+        self.module_optimizer_step = overridden(trainer.module, "optimizer_step", TrainModule)
+        self.module_zero_grad = overridden(trainer.module, "optimizer_zero_grad", TrainModule)
+        self.module_clipping = overridden(trainer.module, "configure_gradient_clipping", TrainModule)
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
@@ -138,9 +137,3 @@ class TrainStep:
         for scheduler in self.step_schedulers:
             if progress.global_step % scheduler.frequency == 0:
                 step_scheduler(scheduler, self.trainer.callback_metrics, self.module.lr_scheduler_step)
-
-
-def _module_override(module: TrainModule, name: str) -> Callable[..., Any] | None:
-    """The module's `name` hook where it overrides TrainModule's, else None (the loop's own path is taken)."""
-    method = getattr(module, name)
-    return None if getattr(method, "__func__", None) is getattr(TrainModule, name) else method

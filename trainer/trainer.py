@@ -35,7 +35,7 @@ from trainer.logging import (
     version_of_job,
 )
 from trainer.loop import Progress, batch_limit, evaluation_loop, fit_loop, predict_loop
-from trainer.module import TrainModule
+from trainer.module import TrainModule, overridden
 from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, is_torch_scheduler, parse_optimizers
 from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
 from trainer.rng import seed_everything, set_determinism
@@ -320,12 +320,9 @@ class Trainer:
         """The callback and module methods that override `hook` (and that the callback says it uses): the
         base classes' empty bodies are never called."""
         monitors_later = hook in MONITORS_LAST
-        methods = [getattr(c, hook) for c in self.callbacks if c.uses_hook(hook) and not (monitors_later and c.monitors)]
-        methods = [m for m in methods if getattr(m, "__func__", None) is not getattr(Callback, hook, None)]
-        module_hook = getattr(self.module, hook, None)
-        if getattr(module_hook, "__func__", None) is getattr(TrainModule, hook, object()):
-            module_hook = None  # TrainModule's hooks are empty
-        return methods, module_hook
+        methods = [overridden(c, hook, Callback) for c in self.callbacks
+                   if c.uses_hook(hook) and not (monitors_later and c.monitors)]
+        return [m for m in methods if m is not None], overridden(self.module, hook, TrainModule)
 
     def publish_step_metrics(self, write: bool = True) -> None:
         """Make this step's logged values visible to callbacks and the bar; write them every n steps. With
