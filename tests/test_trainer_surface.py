@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks import Callback, EarlyStopping, ModelCheckpoint, RichProgressBar
 from trainer import DataModule, Trainer, TrainModule
 from trainer.errors import MisconfigurationError
+from trainer.optim import check_closure_optimizer
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
              accelerator="cpu")
@@ -605,6 +606,78 @@ def test_a_modules_optimizer_hooks_step_zero_and_clip_as_a_hand_written_loop_doe
     assert module.clip_arguments == {(5.0, "norm")}  # the Trainer's settings, which the override may ignore
     for name, tensor in reference.state_dict().items():
         assert torch.equal(module.layer.state_dict()[name], tensor), name
+
+
+class WithLBFGS(Counting):
+    """LBFGS under automatic optimization, as Lightning allows: its step evaluates the loss several times."""
+
+    def __init__(self, own_step: bool = False) -> None:
+        super().__init__()
+        self.own_step, self.before_steps, self.step_results = own_step, 0, []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.before_steps += 1
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4, history_size=3)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        if not self.own_step:
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.step_results.append(optimizer.step(closure=optimizer_closure))
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["trainer_steps", "module_optimizer_step"])
+def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_loop_does(own_step):
+    torch.manual_seed(0)
+    module = WithLBFGS(own_step)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(module.layer.state_dict())
+    trainer = Trainer(max_epochs=2, gradient_clip_val=0.5, **QUIET)
+    trainer.fit(module, loader(20))
+
+    optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=4, history_size=3)
+    evaluations, first_losses = 0, []
+    for _ in range(2):
+        for x, y in loader(20):
+            def closure(x=x, y=y):
+                nonlocal evaluations
+                evaluations += 1
+                optimizer.zero_grad()
+                loss = F.mse_loss(reference(x), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)  # after every evaluation, as Lightning
+                return loss
+            first_losses.append(float(optimizer.step(closure).detach()))
+    assert evaluations > 10  # LBFGS did evaluate again: the test covers the closure's later calls
+    assert module.calls["train"] == module.before_steps == evaluations
+    assert trainer.global_step == 10
+    if own_step:
+        assert [float(loss) for loss in module.step_results] == first_losses  # step returns the first evaluation's loss
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(module.layer.state_dict()[name], tensor), name
+
+
+def test_lbfgs_is_refused_where_its_evaluations_cannot_be_honoured():
+    with pytest.raises(MisconfigurationError, match="accumulate_grad_batches=2 cannot be used with LBFGS"):
+        Trainer(max_epochs=1, accumulate_grad_batches=2, **QUIET).fit(WithLBFGS(), loader(8))
+    lbfgs = WithLBFGS().configure_optimizers()
+    with pytest.raises(MisconfigurationError, match="precision='16-mixed' cannot step LBFGS"):  # CUDA only, so checked here
+        check_closure_optimizer([lbfgs], 1, "16-mixed")
+    check_closure_optimizer([lbfgs], 1, "bf16-mixed")
+
+    class WithTwo(WithLBFGS):
+        def configure_optimizers(self):
+            return [torch.optim.LBFGS([self.layer.weight]), torch.optim.SGD([self.layer.bias], lr=0.1)]
+
+    with pytest.raises(MisconfigurationError, match="LBFGS evaluates the loss itself, again and again, so under automatic "
+                                                    "optimization it must be the only optimizer"):
+        Trainer(max_epochs=1, **QUIET).fit(WithTwo(), loader(8))
 
 
 def test_a_modules_backward_and_configure_model_are_called_as_in_lightning():

@@ -218,8 +218,8 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Step the optimizer (automatic optimization); override to act around the step, e.g. a learning-rate
-        warm-up, as in Lightning. Forward and backward have already run: the closure returns the step's loss.
-        A step the override leaves out still counts in global_step."""
+        warm-up, as in Lightning. Forward and backward have already run: the closure's first call returns the
+        step's loss; a later call (LBFGS) runs them again. A step the override leaves out still counts in global_step."""
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -62,6 +64,38 @@ def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
 def is_torch_scheduler(scheduler: Any) -> bool:
     """One of torch's schedulers, whose step() the Trainer knows how to call (others need lr_scheduler_step)."""
     return isinstance(scheduler, (LRScheduler, ReduceLROnPlateau))
+
+
+def needs_closure(optimizer: Optimizer) -> bool:
+    """Whether the optimizer's step evaluates the loss itself, through a closure it must be given (LBFGS)."""
+    return _step_needs_closure(type(optimizer))
+
+
+@functools.cache
+def _step_needs_closure(kind: type) -> bool:
+    closure = inspect.signature(kind.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def check_closure_optimizer(optimizers: list[Optimizer], accumulate_grad_batches: int, precision: str) -> None:
+    """Under automatic optimization, an optimizer that evaluates the loss itself (LBFGS) gets a closure running
+    training_step and backward again on the step's batch: refuse what that cannot honour."""
+    kinds = [type(optimizer).__name__ for optimizer in optimizers if needs_closure(optimizer)]
+    if not kinds:
+        return
+    if len(optimizers) > 1:
+        raise MisconfigurationError(
+            f"{kinds[0]} evaluates the loss itself, again and again, so under automatic optimization it must be the only "
+            f"optimizer, but configure_optimizers returned {len(optimizers)}; put every parameter in it, or step them "
+            "yourself with `automatic_optimization = False`.")
+    if accumulate_grad_batches > 1:
+        raise MisconfigurationError(
+            f"accumulate_grad_batches={accumulate_grad_batches} cannot be used with {kinds[0]}: it evaluates the loss "
+            "again on the step's batch alone, not on the accumulated ones; use accumulate_grad_batches=1 and a larger batch.")
+    if precision == "16-mixed":
+        raise MisconfigurationError(
+            f"precision='16-mixed' cannot step {kinds[0]}: a grad scaler cannot unscale the gradients of the evaluations "
+            "its step runs itself (as in Lightning); use precision='bf16-mixed' or '32'.")
 
 
 def _steppable(scheduler: Any) -> bool:
@@ -131,11 +165,13 @@ class LRScaler:
             return 1.0
         return (1.0 + (self.factor - 1.0) * global_step / self.warmup_steps) / self.factor
 
-    def step(self, optimizer: Optimizer, global_step: int, optimizer_step: Callable[[Optimizer], None]) -> None:
-        """Run `optimizer_step(optimizer)` at the rate warm-up gives `global_step` (the rates are restored
-        afterwards). The training step calls it only before `warmup_end`, and steps directly after."""
+    def step(self, optimizer: Optimizer, global_step: int, optimizer_step: Callable[..., None],
+             closure: Callable[[], torch.Tensor] | None = None) -> Any:
+        """Run `optimizer_step(optimizer, closure)` at the rate warm-up gives `global_step` (the rates are restored
+        afterwards) and return what it returns. The training step calls it only before `warmup_end`, and steps
+        directly after."""
         with self._lowered(optimizer, self.warmup_ratio(global_step)):
-            optimizer_step(optimizer)
+            return optimizer_step(optimizer, closure)
 
     @staticmethod
     @contextlib.contextmanager
@@ -211,13 +247,16 @@ class ManualOptimizer:
 class HookOptimizer:
     """The optimizer a module's `optimizer_step` override gets, as Lightning's LightningOptimizer: `step`
     goes through `apply` (the strategy's step: grad scaler, parameter-server push, learning-rate warm-up).
-    Forward and backward have already run, so a closure is called once, for the step's loss; an optimizer
-    that evaluates it again and again (LBFGS) needs manual optimization. The rest is the optimizer's."""
+    Forward and backward have already run, so the closure's first call returns the step's loss; an optimizer
+    that evaluates the loss itself (LBFGS) gets the closure, whose later calls run them again. The rest is the
+    optimizer's."""
 
-    def __init__(self, optimizer: Optimizer, apply: Callable[[Optimizer], None]) -> None:
+    def __init__(self, optimizer: Optimizer, apply: Callable[..., Any]) -> None:
         self.optimizer, self._apply = optimizer, apply
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if needs_closure(self.optimizer):
+            return self._apply(self.optimizer, closure=closure)
         loss = closure() if closure is not None else None
         self._apply(self.optimizer)
         return loss

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,13 +75,15 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step, letting the scaler skip steps whose gradients overflowed."""
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> Any:
+        """Step, letting the scaler skip steps whose gradients overflowed; a `closure` goes to an optimizer that
+        evaluates the loss itself (LBFGS; refused with a scaler, see optim.check_closure_optimizer). Returns
+        what the optimizer's step returns."""
         if self.scaler is None:
-            optimizer.step()
-            return
-        self.scaler.step(optimizer)
+            return optimizer.step() if closure is None else optimizer.step(closure)
+        result = self.scaler.step(optimizer)
         self.scaler.update()
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

@@ -5,10 +5,13 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.optim import Optimizer
+
 from trainer.data import batch_mover
 from trainer.errors import MisconfigurationError
 from trainer.module import TrainModule, overridden
-from trainer.optim import HookOptimizer, step_scheduler
+from trainer.optim import HookOptimizer, needs_closure, step_scheduler
 from trainer.strategies.base import step_loss
 
 if TYPE_CHECKING:
@@ -50,6 +53,8 @@ class TrainStep:
         self.module_optimizer_step = overridden(trainer.module, "optimizer_step", TrainModule)
         self.module_zero_grad = overridden(trainer.module, "optimizer_zero_grad", TrainModule)
         self.module_clipping = overridden(trainer.module, "configure_gradient_clipping", TrainModule)
+        # An optimizer that evaluates the loss itself (LBFGS) is the only one (optim.check_closure_optimizer).
+        self.closure_optimizer = self.automatic and any(needs_closure(optimizer) for optimizer in self.optimizers)
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
@@ -78,7 +83,7 @@ class TrainStep:
                     self.on_after_backward()
                 # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
                 if self.guard.allow_step(outputs, batch_idx, stepping):
-                    self.optimizer_step(batch_idx, outputs)
+                    self.optimizer_step(batch, batch_idx, outputs)
         progress.epoch_batches = batch_idx + 1
         if self.on_train_batch_end is None:
             self.trainer.publish_step_metrics()
@@ -104,36 +109,78 @@ class TrainStep:
                 "optimization it must return the loss tensor or a dict with key 'loss' (None skips a batch), or set "
                 "`automatic_optimization = False`.")
 
-    def optimizer_step(self, batch_idx: int, outputs: Any) -> None:
+    def optimizer_step(self, batch: Any, batch_idx: int, outputs: Any) -> None:
         """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers;
         through the module's optimizer_step, optimizer_zero_grad and configure_gradient_clipping where it
-        overrides them."""
+        overrides them. An optimizer that evaluates the loss itself (LBFGS: then the only one) gets a closure."""
         strategy, progress = self.strategy, self.progress
         warming_up = progress.global_step < self.lr_scaler.warmup_end
         for optimizer in self.optimizers:
-            if self.on_before_optimizer_step is not None:
-                self.on_before_optimizer_step(optimizer)
-            if self.module_clipping is not None:
-                self.module_clipping(optimizer, self.clip_value, self.clip_algorithm if self.clip_value else None)
-            elif self.clip_value is not None:
-                strategy.clip_gradients(optimizer, self.clip_value, self.clip_algorithm)
+            self._before_optimizer_step(optimizer)
+            closure = (StepClosure(self, optimizer, batch, batch_idx, outputs)
+                       if self.module_optimizer_step is not None or self.closure_optimizer else None)
             if self.module_optimizer_step is not None:
                 apply = (functools.partial(self.lr_scaler.step, global_step=progress.global_step,
                                            optimizer_step=strategy.optimizer_step) if warming_up else strategy.optimizer_step)
-                closure = step_loss(outputs).detach  # the step's loss, without the graph that backward freed
                 self.module_optimizer_step(progress.epoch, batch_idx, HookOptimizer(optimizer, apply), closure)
             elif warming_up:
-                self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step)
+                self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
             else:
-                strategy.optimizer_step(optimizer)
-            if self.on_before_zero_grad is not None:
-                self.on_before_zero_grad(optimizer)
-            if self.module_zero_grad is not None:
-                self.module_zero_grad(progress.epoch, batch_idx, optimizer)
-            else:
-                optimizer.zero_grad(set_to_none=True)
+                strategy.optimizer_step(optimizer, closure)
+            self._zero_grad(optimizer, batch_idx)
         progress.global_step += 1
         progress.batches_stepped += 1
         for scheduler in self.step_schedulers:
             if progress.global_step % scheduler.frequency == 0:
                 step_scheduler(scheduler, self.trainer.callback_metrics, self.module.lr_scheduler_step)
+
+    def _before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """on_before_optimizer_step, then clipping (the module's own, where it overrides it)."""
+        if self.on_before_optimizer_step is not None:
+            self.on_before_optimizer_step(optimizer)
+        if self.module_clipping is not None:
+            self.module_clipping(optimizer, self.clip_value, self.clip_algorithm if self.clip_value else None)
+        elif self.clip_value is not None:
+            self.strategy.clip_gradients(optimizer, self.clip_value, self.clip_algorithm)
+
+    def _zero_grad(self, optimizer: Optimizer, batch_idx: int) -> None:
+        """on_before_zero_grad, then the module's optimizer_zero_grad where it overrides it, else zero_grad."""
+        if self.on_before_zero_grad is not None:
+            self.on_before_zero_grad(optimizer)
+        if self.module_zero_grad is not None:
+            self.module_zero_grad(self.progress.epoch, batch_idx, optimizer)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
+    def evaluate_again(self, optimizer: Optimizer, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Zero the gradients, run training_step and backward on `batch` again (at the weights the optimizer has
+        moved to), with the hooks around them and clipping, as Lightning's closure does; the new loss."""
+        self._zero_grad(optimizer, batch_idx)
+        outputs = self.strategy.forward_backward(batch, batch_idx, self.loss_scale, self.on_before_backward)
+        if outputs is None:
+            raise MisconfigurationError(
+                f"training_step returned None when {type(optimizer).__name__} evaluated the loss again on batch "
+                f"{batch_idx}; return the loss on every call.")
+        if self.on_after_backward is not None:
+            self.on_after_backward()
+        self._before_optimizer_step(optimizer)
+        return step_loss(outputs).detach()
+
+
+class StepClosure:
+    """Lightning's `optimizer_closure`: the loss of the step's forward and backward, which have already run when
+    the optimizer gets it, so its first call only returns that loss. An optimizer that evaluates the loss at
+    other weights (LBFGS's iterations) calls it again: each later call runs them anew (TrainStep.evaluate_again).
+    Where several processes train, the loss returned is their mean, so that every rank's optimizer takes the
+    same decisions (how often to evaluate) on the same averaged gradients."""
+
+    def __init__(self, train_step: TrainStep, optimizer: Optimizer, batch: Any, batch_idx: int, outputs: Any) -> None:
+        self.train_step, self.optimizer, self.batch, self.batch_idx = train_step, optimizer, batch, batch_idx
+        self.loss: torch.Tensor | None = step_loss(outputs).detach()  # the graph itself went with backward
+        self.mean_over_ranks = train_step.strategy.world_size > 1 and needs_closure(optimizer)
+
+    def __call__(self) -> torch.Tensor:
+        loss, self.loss = self.loss, None
+        if loss is None:
+            loss = self.train_step.evaluate_again(self.optimizer, self.batch, self.batch_idx)
+        return self.train_step.strategy.reduce(loss, "mean") if self.mean_over_ranks else loss

@@ -36,7 +36,14 @@ from trainer.logging import (
 )
 from trainer.loop import Progress, batch_limit, evaluation_loop, fit_loop, predict_loop
 from trainer.module import TrainModule, overridden
-from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig, is_torch_scheduler, parse_optimizers
+from trainer.optim import (
+    LRScaler,
+    ManualOptimizer,
+    SchedulerConfig,
+    check_closure_optimizer,
+    is_torch_scheduler,
+    parse_optimizers,
+)
 from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
 from trainer.rng import seed_everything, set_determinism
 from trainer.strategies import Strategy, build_strategy
@@ -660,6 +667,8 @@ class Trainer:
             raise MisconfigurationError(
                 f"the scheduler {foreign[0]} is not one of torch's, whose step() the Trainer knows how to call; define "
                 f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it, as in Lightning.")
+        if module.automatic_optimization:
+            check_closure_optimizer(optimizers, self.config.accumulate_grad_batches, self.config.precision)
         self.optimizers = self.strategy.setup_optimizers(optimizers)
         self.manual_optimizers = [ManualOptimizer(optimizer, self) for optimizer in self.optimizers]
         self.lr_scheduler_configs = schedulers

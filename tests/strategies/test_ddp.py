@@ -175,6 +175,49 @@ def test_ddp_equals_one_process_on_the_concatenated_batches(ddp_run):
     assert_same_weights(module.state_dict(), reference, atol=1e-5)
 
 
+class LBFGSNet(Net):
+    def training_step(self, batch, batch_idx):
+        self.log("evaluations", 1.0, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)  # both ranks'
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4, history_size=3)
+
+
+@pytest.mark.timeout(240)
+def test_lbfgs_under_ddp_evaluates_in_step_on_every_rank_as_one_process_on_the_concatenated_batches(tmp_path):
+    module = LBFGSNet()
+    module.load_state_dict(initial_state())
+    trainer = Trainer(strategy="ddp", devices=2, max_epochs=EPOCHS, seed=SEED, default_root_dir=str(tmp_path),
+                      log_every_n_steps=1, **QUIET)
+    trainer.fit(module, DataLoader(TRAIN, batch_size=BATCH, shuffle=True))
+
+    model = Net()  # each closure call: the mean loss and gradient of both ranks' batches, as every rank's LBFGS sees
+    model.load_state_dict(initial_state())
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+    samplers = [DistributedSampler(TRAIN, num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in range(2)]
+    evaluations = []
+    for epoch in range(EPOCHS):
+        evaluations.append(0)
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        shards = [list(sampler) for sampler in samplers]
+        for start in range(0, len(shards[0]), BATCH):
+            index = torch.tensor([i for shard in shards for i in shard[start:start + BATCH]])
+
+            def closure(index=index):
+                evaluations[-1] += 1
+                optimizer.zero_grad()
+                loss = F.mse_loss(model(TRAIN.tensors[0][index]), TRAIN.tensors[1][index])
+                loss.backward()
+                return loss
+            optimizer.step(closure)
+    assert evaluations[-1] > 5  # LBFGS evaluated again: 5 steps an epoch
+    assert float(trainer.callback_metrics["evaluations"]) == 2 * evaluations[-1]
+    # LBFGS's curvature estimates amplify the rounding of the all-reduce's mean (a sum over ranks, then halved).
+    assert_same_weights(module.state_dict(), model.state_dict(), atol=2e-4)
+
+
 @pytest.mark.timeout(240)
 def test_epoch_metrics_count_every_validation_sample_once(ddp_run):
     module, trainer, _ = ddp_run

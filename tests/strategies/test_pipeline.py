@@ -369,6 +369,11 @@ def test_configuration_errors(options, devices, message):
         configured(devices, **options)
 
 
+def test_an_optimizer_that_evaluates_the_loss_itself_is_refused():
+    with pytest.raises(MisconfigurationError, match=r"strategy='pipeline' cannot step LBFGS: .* or strategy='ddp'"):
+        configured().setup_optimizers([torch.optim.LBFGS(nn.Linear(2, 2).parameters())])
+
+
 def test_schedule_names_match_torch_spelling_too():
     assert configured(schedule="1F1B").schedule_name == "1f1b"
     assert configured(schedule="Interleaved1F1B", stages_per_rank=2).schedule_name == "interleaved_1f1b"

@@ -249,9 +249,10 @@ class Strategy:
         else:
             torch.nn.utils.clip_grad_value_(params, value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the gradients (a parameter server pushes them instead)."""
-        self.precision.step(optimizer)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> Any:
+        """Apply the gradients (a parameter server pushes them instead); `closure` is for an optimizer that
+        evaluates the loss itself (LBFGS). Returns what the optimizer's step returns."""
+        return self.precision.step(optimizer, closure)
 
     # ------------------------------------------------------------------ data
     def prepare_loader(self, loader: DataLoader, train: bool, seed: int) -> DataLoader:

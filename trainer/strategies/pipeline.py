@@ -49,6 +49,7 @@ from trainer.environment import ClusterEnvironment
 from trainer.errors import MisconfigurationError
 from trainer.logging import _batch_value as batch_value
 from trainer.module import TrainModule
+from trainer.optim import needs_closure
 from trainer.strategies import distributed
 from trainer.strategies.base import Strategy, move_to_device
 from trainer.strategies.pipeline_split import (
@@ -203,6 +204,15 @@ class PipelineStrategy(Strategy):
     @property
     def data_parallel_rank(self) -> int:
         return self.global_rank // self.stages
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        kinds = [type(optimizer).__name__ for optimizer in optimizers if needs_closure(optimizer)]
+        if kinds:
+            raise MisconfigurationError(
+                f"strategy='pipeline' cannot step {kinds[0]}: it evaluates the loss again and again, and how often would "
+                "be decided by each stage from its own parameters alone; use an optimizer whose step takes no closure "
+                "(SGD, Adam, AdamW, ...) or strategy='ddp'.")
+        return optimizers
 
     # ------------------------------------------------------------------ the model
     def check_module(self, module: TrainModule, stage: str) -> None:

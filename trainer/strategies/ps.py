@@ -48,7 +48,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -346,9 +346,10 @@ class ParameterServerStrategy(Strategy):
                 "worker's gradient exceeds the limit.", stacklevel=2)
         super().clip_gradients(optimizer, value, algorithm)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Push the gradients (RemoteOptimizer.step); log how stale they were."""
-        super().optimizer_step(optimizer)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> None:
+        """Push the gradients (RemoteOptimizer.step); log how stale they were. (No optimizer that needs a closure
+        gets here: check_optimizer refuses it.)"""
+        super().optimizer_step(optimizer, closure)
         pushed = getattr(optimizer, "last_push", None)
         if pushed and self.module is not None:
             self.module.log("ps/staleness", float(pushed["staleness"]))

@@ -11,7 +11,6 @@ batches handed out on demand.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import pickle
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from torch.optim import Optimizer
 
 from trainer.data import ResumableBatchSampler
 from trainer.errors import MisconfigurationError
+from trainer.optim import needs_closure
 from trainer.strategies.ps_server import on_shard, pull_from_shard, rebuild_optimizer
 
 STALE_KEYS = ("staleness", "dropped", "scaled")
@@ -44,8 +44,7 @@ def check_optimizer(optimizers: list[Optimizer]) -> Optimizer:
         )
     optimizer = optimizers[0]
     kind = type(optimizer).__name__
-    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
+    if needs_closure(optimizer):
         raise MisconfigurationError(
             f"strategy='ps' cannot hold {kind}: its step needs a closure that recomputes the loss, which only a "
             "worker can do, while the update runs on the servers; use an optimizer whose step takes no closure "
