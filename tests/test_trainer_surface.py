@@ -567,6 +567,10 @@ class OwnOptimizerHooks(Counting):
         super().__init__()
         self.closure_losses: list[float] = []
         self.clip_arguments: set[tuple] = set()
+        self.rates_before_step: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.rates_before_step.append(optimizer.param_groups[0]["lr"])
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
         for group in optimizer.param_groups:
@@ -603,6 +607,8 @@ def test_a_modules_optimizer_hooks_step_zero_and_clip_as_a_hand_written_loop_doe
                 optimizer.zero_grad()
             step += 1
     assert module.closure_losses == losses  # the closure gives the step's loss
+    # As in Lightning, inside the override's optimizer.step(): after its body set the warm-up's rate.
+    assert module.rates_before_step == [0.05 * min(1.0, (step + 1) / 3) for step in range(10)]
     assert module.clip_arguments == {(5.0, "norm")}  # the Trainer's settings, which the override may ignore
     for name, tensor in reference.state_dict().items():
         assert torch.equal(module.layer.state_dict()[name], tensor), name

@@ -246,18 +246,20 @@ class ManualOptimizer:
 
 class HookOptimizer:
     """The optimizer a module's `optimizer_step` override gets, as Lightning's LightningOptimizer: `step`
-    goes through `apply` (the strategy's step: grad scaler, parameter-server push, learning-rate warm-up).
-    Forward and backward have already run, so the closure's first call returns the step's loss; an optimizer
-    that evaluates the loss itself (LBFGS) gets the closure, whose later calls run them again. The rest is the
-    optimizer's."""
+    goes through `before_step` (on_before_optimizer_step and clipping), then `apply` (the strategy's step: grad
+    scaler, parameter-server push, learning-rate warm-up). Forward and backward have already run, so the
+    closure's first call returns the step's loss; an optimizer that evaluates the loss itself (LBFGS) gets the
+    closure, whose later calls run them again. The rest is the optimizer's."""
 
-    def __init__(self, optimizer: Optimizer, apply: Callable[..., Any]) -> None:
-        self.optimizer, self._apply = optimizer, apply
+    def __init__(self, optimizer: Optimizer, apply: Callable[..., Any], before_step: Callable[[Optimizer], None]) -> None:
+        self.optimizer, self._apply, self._before_step = optimizer, apply, before_step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if needs_closure(self.optimizer):
+            self._before_step(self.optimizer)
             return self._apply(self.optimizer, closure=closure)
         loss = closure() if closure is not None else None
+        self._before_step(self.optimizer)
         self._apply(self.optimizer)
         return loss
 

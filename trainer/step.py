@@ -116,14 +116,18 @@ class TrainStep:
         strategy, progress = self.strategy, self.progress
         warming_up = progress.global_step < self.lr_scaler.warmup_end
         for optimizer in self.optimizers:
-            self._before_optimizer_step(optimizer)
-            closure = (StepClosure(self, optimizer, batch, batch_idx, outputs)
-                       if self.module_optimizer_step is not None or self.closure_optimizer else None)
             if self.module_optimizer_step is not None:
+                # As in Lightning, on_before_optimizer_step and clipping run inside the override's optimizer.step(),
+                # so they see what its body did first (a warm-up's rate), and not at all if it skips the step.
                 apply = (functools.partial(self.lr_scaler.step, global_step=progress.global_step,
                                            optimizer_step=strategy.optimizer_step) if warming_up else strategy.optimizer_step)
-                self.module_optimizer_step(progress.epoch, batch_idx, HookOptimizer(optimizer, apply), closure)
-            elif warming_up:
+                hooked = HookOptimizer(optimizer, apply, self._before_optimizer_step)
+                self.module_optimizer_step(progress.epoch, batch_idx, hooked, StepClosure(self, optimizer, batch, batch_idx, outputs))
+                self._zero_grad(optimizer, batch_idx)
+                continue
+            self._before_optimizer_step(optimizer)
+            closure = StepClosure(self, optimizer, batch, batch_idx, outputs) if self.closure_optimizer else None
+            if warming_up:
                 self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
             else:
                 strategy.optimizer_step(optimizer, closure)
