@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import callbacks.checkpoint as checkpoint_module
 import callbacks.progress as progress_module
 from callbacks import (
+    BasePredictionWriter,
     Callback,
     EarlyStopping,
     LearningRateMonitor,
@@ -865,3 +866,54 @@ def test_progress_bar_draws_nothing_off_rank_zero(capsys):
     bar.on_train_epoch_end(other_rank, None)
     bar.teardown(other_rank, None, "fit")
     assert console.file.getvalue() == "" and capsys.readouterr().out == ""
+
+
+class Echo(TrainModule):
+    """predict_step returns its inputs, so a written prediction shows which samples it came from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return batch[0] * 1.0
+
+
+class KeepingWriter(BasePredictionWriter):
+    """Keeps what it is asked to write (a real writer would torch.save it per rank)."""
+
+    def __init__(self, write_interval: str) -> None:
+        super().__init__(write_interval)
+        self.batches: list[tuple] = []
+        self.epochs: list[tuple] = []
+
+    def write_on_batch_end(self, trainer, module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        self.batches.append((prediction, batch_indices, batch_idx, dataloader_idx))
+
+    def write_on_epoch_end(self, trainer, module, predictions, batch_indices):
+        self.epochs.append((predictions, batch_indices))
+
+
+def test_a_prediction_writer_gets_each_batch_with_the_dataset_indices_its_sampler_drew(tmp_path):
+    data = TensorDataset(torch.arange(20.0).reshape(10, 2))
+    shuffled = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5), num_workers=1)
+    in_order = DataLoader(data, batch_size=3)
+    writer = KeepingWriter("batch_and_epoch")
+    trainer = Trainer(callbacks=[writer], accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path))
+    assert trainer.predict(Echo(), [shuffled, in_order], return_predictions=False) is None  # kept by nobody
+
+    assert [(batch_idx, loader) for _, _, batch_idx, loader in writer.batches] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
+    drawn = [indices for _, indices, _, loader in writer.batches if loader == 0]
+    assert sorted(i for indices in drawn for i in indices) == list(range(10)) and drawn[0] != [0, 1, 2, 3]
+    for prediction, indices, _, _ in writer.batches:  # each row is the sample its index names
+        assert torch.equal(prediction, data.tensors[0][indices])
+    assert [indices for _, indices, _, loader in writer.batches if loader == 1] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    (predictions, batch_indices), = writer.epochs  # per loader, as written batch by batch
+    assert batch_indices == [drawn, [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]]
+    assert all(torch.equal(a, b) for a, b in zip(predictions[0], [p for p, _, _, loader in writer.batches if loader == 0]))
+
+    returned = trainer.predict(Echo(), in_order)  # return_predictions defaults to True
+    assert torch.equal(torch.cat(returned), data.tensors[0])
+    with pytest.raises(MisconfigurationError, match=r"KeepingWriter\(write_interval='step'\) is not known; use one of batch, epoch"):
+        KeepingWriter("step")

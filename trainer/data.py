@@ -385,6 +385,33 @@ def _batches_of(samples: int, batch_sampler: BatchSampler) -> int:
     return samples // size if batch_sampler.drop_last else math.ceil(samples / size)
 
 
+class _RecordingBatchSampler:
+    """A batch sampler that also appends each batch of indices it hands the loader to `drawn` (the loader draws
+    them in the main process, ahead of the batches when workers prefetch, so batch i's are `drawn[i]`)."""
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler, self.drawn = batch_sampler, []
+
+    def __iter__(self) -> Iterator[Any]:
+        for indices in self.batch_sampler:
+            self.drawn.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def recording_batch_indices(loader: DataLoader) -> tuple[DataLoader, list[list[int]] | None]:
+    """A loader giving the same batches as `loader`, and the list that the dataset indices of each batch it
+    yields are appended to; `loader` itself and None where they cannot be known (an IterableDataset, a
+    DataLoader subclass, a loader without a batch sampler)."""
+    if (type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset)
+            or loader.batch_sampler is None):
+        return loader, None
+    recording = _RecordingBatchSampler(loader.batch_sampler)
+    return DataLoader(loader.dataset, batch_sampler=recording, **_loader_kwargs(loader, None)), recording.drawn
+
+
 def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list[Any]:
     """One loader's predictions from every data-parallel rank (`shares[r]`: rank r's batch outputs, from its
     slice of `loader`) as one process would have made them: in the loader's order, in its batch size.

@@ -20,6 +20,7 @@ from trainer.data import (
     data_wait_advice,
     measure_data_wait,
     merge_prediction_shares,
+    recording_batch_indices,
     set_epoch,
     shard_batches,
     skip_batches,
@@ -426,8 +427,8 @@ def _check_several_loaders(module: Any, step_name: str, loaders: list[DataLoader
     return True
 
 
-def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float) -> list[list[Any]]:
-    """predict_step over every batch; one list of outputs per loader.
+def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float) -> list[list[Any]] | None:
+    """predict_step over every batch; one list of outputs per loader (None: return_predictions=False).
 
     Under data parallelism each rank predicts its share, and every rank returns all of them, put back in the
     loader's order and batch size (on the CPU), as one process would have: predictions do not depend on
@@ -435,6 +436,8 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
     """
     strategy, module = trainer.strategy, trainer.module
     several = _check_several_loaders(module, "predict_step", loaders)
+    keep_outputs = trainer._return_predictions
+    trainer.predict_dataloaders = loaders
     module.eval()
     trainer.call("on_predict_start")
     trainer.call("on_predict_epoch_start")
@@ -453,17 +456,23 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
             keep = kept[dataloader_idx]
             num_batches = batch_limit(loader, limit) if keep is None else math.ceil(keep / replicas)
             to_device = batch_mover(strategy, module, trainer.datamodule, dataloader_idx)
-            for batch_idx, batch in enumerate(loader):
+            recording, drawn = recording_batch_indices(loader)
+            for batch_idx, batch in enumerate(recording):
                 if batch_idx >= num_batches:
                     break
+                trainer.predict_batch_indices = drawn[batch_idx] if drawn is not None else None
                 batch = to_device(batch)
                 trainer.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
                 output = strategy.eval_step("predict_step", batch, batch_idx, dataloader_idx if several else None)
                 trainer.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)
-                outputs.append(output)
+                if keep_outputs:
+                    outputs.append(output)
             results.append(outputs)
+    trainer.predict_batch_indices = None
     trainer.call("on_predict_epoch_end")
     trainer.call("on_predict_end")
+    if not keep_outputs:
+        return None
     if replicas == 1:
         return results
     # Tensors travel as pickles: on the CPU, so that a rank unpickles none onto another rank's GPU.

@@ -86,6 +86,10 @@ class Trainer:
         self.stage: str | None = None
         self.train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
         self.val_dataloaders: list[DataLoader] = []  # and the validation loaders it validates on (none: off)
+        self.predict_dataloaders: list[DataLoader] = []  # during predict: this rank's loaders
+        #: During predict: the dataset indices of the current batch (None where the loader cannot tell them).
+        self.predict_batch_indices: list[int] | None = None
+        self._return_predictions = True
         self.num_training_batches = 0
         # During fit: builds the fit's loaders again (reload_dataloaders_every_n_epochs), and the epoch that the
         # current ones were built in (trainer.current_epoch then).
@@ -427,16 +431,19 @@ class Trainer:
 
     def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
                 datamodule: DataModule | None = None, return_predictions: bool | None = None,
-                ckpt_path: str | Path | None = None, *, module: TrainModule | None = None) -> list[Any]:
-        """predict_step over every batch; a list of outputs (a list per loader when there are several).
-        `return_predictions` is Lightning's; predictions are always returned here."""
+                ckpt_path: str | Path | None = None, *, module: TrainModule | None = None) -> list[Any] | None:
+        """predict_step over every batch; a list of outputs (a list per loader when there are several), or None
+        with `return_predictions=False`, which keeps none of them (a BasePredictionWriter writes them instead)."""
         module = _one_module(model, module)
+        self._return_predictions = return_predictions is None or bool(return_predictions)
         ckpt_path = self._default_ckpt_path("predict", module, ckpt_path, calls_below_user=1)
         module = module or self.module
         dataloaders, datamodule = _datamodule_given_as_loaders(dataloaders, datamodule)
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         self._check_inputs(module, datamodule, "predict", dataloaders)
         result = self._dispatch("predict", module, datamodule, resolve_ckpt_path(self, ckpt_path, "predict"), dataloaders)
+        if result is None:
+            return None
         return result[0] if len(result) == 1 else result
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,

@@ -24,7 +24,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from callbacks import Callback, ModelCheckpoint
+from callbacks import BasePredictionWriter, Callback, ModelCheckpoint
 from trainer import DataModule, Trainer, TrainModule
 from trainer.environment import ClusterEnvironment, find_free_port
 from trainer.errors import MisconfigurationError
@@ -338,6 +338,31 @@ def test_predict_returns_every_ranks_predictions_in_dataset_order(tmp_path, limi
         for start, batch in zip(range(0, len(x), BATCH), predictions):
             assert torch.equal(batch["x"], x[start:start + BATCH])
             torch.testing.assert_close(batch["y"], module(x[start:start + BATCH]), rtol=0, atol=1e-6)
+
+
+class RankFileWriter(BasePredictionWriter):
+    """Writes each rank's predictions and their dataset indices to its own file, as a user's writer would."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__("epoch")
+        self.folder = folder
+
+    def write_on_epoch_end(self, trainer, module, predictions, batch_indices):
+        torch.save({"predictions": predictions, "indices": batch_indices[0]}, Path(self.folder) / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(240)
+def test_a_prediction_writer_writes_each_ranks_share_with_the_indices_of_its_samples(tmp_path):
+    module = PredictingNet()
+    module.load_state_dict(initial_state())
+    trainer = Trainer(strategy="ddp", devices=2, default_root_dir=str(tmp_path), logger=False,
+                      callbacks=[RankFileWriter(str(tmp_path))], **QUIET)
+    assert trainer.predict(module, DataLoader(VAL, batch_size=BATCH), return_predictions=False) is None
+    shares = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    indices = [[i for batch in share["indices"] for i in batch] for share in shares]
+    assert (len(indices[0]), len(indices[1])) == (11, 10) and sorted(indices[0] + indices[1]) == list(range(len(VAL)))
+    for share, drawn in zip(shares, indices):
+        assert torch.equal(torch.cat([batch["x"] for batch in share["predictions"]]), VAL.tensors[0][drawn])
 
 
 # --------------------------------------------------------------------------- one process, in this process
