@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from trainer.cli import main
-from trainer.config import option_names, readme_reference, reference_table, update_readme
+from trainer.config import option_names, parse_duration, readme_reference, reference_table, update_readme
 from trainer.errors import MisconfigurationError
 from trainer.recipe import init_parameters, load_recipe
 
@@ -132,6 +132,16 @@ def test_a_duration_override_is_a_duration_not_a_yaml_base_60_number(recipes_her
     # YAML 1.1 reads 1:00:00:00 as the integer 216000 (base 60); Lightning's DD:HH:MM:SS means one day.
     assert load_recipe(["good.yaml", "trainer.max_time=1:00:00:00"]).trainer.max_time == "1:00:00:00"
     assert load_recipe(["good.yaml", "trainer.max_time=90"]).trainer.max_time == 90
+
+
+def test_a_duration_in_a_recipe_file_is_a_duration_not_a_yaml_base_60_number(recipes_here):
+    (recipes_here / "timed.yaml").write_text("trainer:\n  max_time: 1:12:00:00\ncallbacks:\n"
+                                            "  - class_path: callbacks.Timer\n    init_args: {duration: 2:00:00:00}\n")
+    recipe = load_recipe(["good.yaml", "timed.yaml"])
+    assert recipe.trainer.max_time == "1:12:00:00"  # YAML alone: 259200 seconds, three days
+    assert parse_duration(recipe.trainer.max_time) == 36 * 3600
+    timer, = recipe.callbacks  # the list replaces good.yaml's
+    assert timer.init_args["duration"] == "2:00:00:00" and timer.instantiate().duration == 48 * 3600
 
 
 def test_lightning_cli_style_options_are_answered_with_the_override_syntax(recipes_here, capsys):

@@ -19,7 +19,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -161,7 +161,26 @@ def read_recipe_file(path_text: str) -> DictConfig:
     if not isinstance(loaded, DictConfig):
         raise MisconfigurationError(f"{path_text}: a recipe is a mapping with keys {', '.join(TOP_LEVEL_KEYS)}; "
                                     f"this file holds a {type(loaded).__name__}.")
+    for keys, text in _base_60_scalars(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)):
+        parent: Any = loaded
+        for key in keys[:-1]:  # (a key that is not the loaded one's, as under a `<<` merge, is left alone)
+            parent = parent.get(key) if isinstance(parent, DictConfig) else parent[key] if isinstance(parent, ListConfig) else None
+        if isinstance(parent, ListConfig) or isinstance(parent, DictConfig) and keys[-1] in parent:
+            parent[keys[-1]] = text  # YAML 1.1 reads `max_time: 1:12:00:00` as 259200 (base 60): a duration is meant
     return loaded
+
+
+def _base_60_scalars(node: yaml.Node | None, keys: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """(key path, text) of each unquoted number YAML 1.1 reads in base 60 (`1:30` is 90) under `node`."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            yield from _base_60_scalars(value_node, (*keys, key_node.value))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            yield from _base_60_scalars(item, (*keys, index))
+    elif (isinstance(node, yaml.ScalarNode) and node.style is None and node.tag.endswith((":int", ":float"))
+          and ":" in node.value):
+        yield keys, node.value
 
 
 def _check_keys(layer: DictConfig, source: str) -> None:
