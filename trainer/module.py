@@ -327,17 +327,30 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         self.train()
 
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
-        """`data` (a tensor, or a nested container of them) from every process, each tensor stacked along a new
-        first dimension of size world_size; unchanged on one process. Not differentiable."""
-        if sync_grads:
-            raise MisconfigurationError("all_gather(sync_grads=True) is not supported: the gathered values carry no gradient.")
+        """`data` (a tensor, or a nested container of them) from every process: each tensor stacked along a new
+        first dimension of size world_size (by a tensor collective, on its device; `sync_grads`: differentiable),
+        any other value as the list of every process's; unchanged on one process. Every process must pass
+        the same structure, with tensors of one shape and dtype."""
         trainer = self._trainer
         if trainer is None or trainer.world_size == 1:
             return data
-        host = pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, data)
-        gathered = trainer.strategy.all_gather_object(host)
-        return pytree.tree_map(lambda *ts: torch.stack(ts).to(self.device) if isinstance(ts[0], torch.Tensor) else list(ts),
-                               *gathered)
+        strategy = trainer.strategy
+        leaves, structure = pytree.tree_flatten(data)
+        # What each process holds, compared first: a tensor collective over mismatched shapes would fail
+        # deep inside the backend, or wait forever. Other values travel with it.
+        layout = [(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else "value" for leaf in leaves]
+        values = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        shared = strategy.all_gather_object((str(structure), layout, values))
+        first = shared[0][:2]
+        for rank, (other_structure, other_layout, _) in enumerate(shared[1:], start=1):  # decided alike on every rank
+            if (other_structure, other_layout) != first:
+                ours, theirs = next(((a, b) for a, b in zip(first[1], other_layout) if a != b), (first[0], other_structure))
+                raise MisconfigurationError(
+                    f"all_gather got {ours} on rank 0 and {theirs} on rank {rank}; every process must gather the same "
+                    "structure of tensors with one shape and dtype (pad them to a common shape).")
+        gathered = [strategy.all_gather(leaf, sync_grads) if isinstance(leaf, torch.Tensor)
+                    else [other[2][index] for other in shared] for index, leaf in enumerate(leaves)]
+        return pytree.tree_unflatten(gathered, structure)
 
     # ----------------------------------------------------------------- manual optimization
     def optimizers(self) -> Any:

@@ -175,6 +175,38 @@ def test_ddp_equals_one_process_on_the_concatenated_batches(ddp_run):
     assert_same_weights(module.state_dict(), reference, atol=1e-5)
 
 
+class GatheringNet(Net):
+    """Its loss is over every rank's batch, gathered with gradients (Lightning's all_gather(sync_grads=True))."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        gathered = self.all_gather({"prediction": self(x), "target": y, "rank": self.global_rank}, sync_grads=True)
+        assert gathered["rank"] == [0, 1] and gathered["prediction"].shape == (2, *y.shape)
+        return F.mse_loss(gathered["prediction"], gathered["target"])
+
+
+class MismatchedGather(Net):
+    def training_step(self, batch, batch_idx):
+        self.all_gather(torch.zeros(self.global_rank + 1))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(240)
+def test_all_gather_with_gradients_trains_as_one_process_on_the_concatenated_batches(tmp_path):
+    module = GatheringNet()
+    module.load_state_dict(initial_state())
+    trainer = Trainer(strategy="ddp", devices=2, max_epochs=EPOCHS, seed=SEED, default_root_dir=str(tmp_path),
+                      enable_checkpointing=False, logger=False, **QUIET)
+    trainer.fit(module, DataLoader(TRAIN, batch_size=BATCH, shuffle=True))
+    # Each rank's loss is the mean over both batches; its gradient reaches each rank's own predictions.
+    assert_same_weights(module.state_dict(), concatenated_batch_reference(initial_state(), BASE_LR), atol=1e-5)
+
+    mismatched = Trainer(strategy="ddp", devices=2, max_steps=1, default_root_dir=str(tmp_path), logger=False, **QUIET)
+    with pytest.raises(MisconfigurationError, match=re.escape("all_gather got ((1,), torch.float32) on rank 0 and ((2,), "
+                                                              "torch.float32) on rank 1; every process must gather")):
+        mismatched.fit(MismatchedGather(), DataLoader(TRAIN, batch_size=BATCH))
+
+
 class LBFGSNet(Net):
     def training_step(self, batch, batch_idx):
         self.log("evaluations", 1.0, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)  # both ranks'

@@ -293,6 +293,14 @@ class Strategy:
         """Every rank's `obj`, ordered by rank."""
         return [obj]
 
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's `tensor` (of one shape on all) stacked along a new first dimension, on its device. Here
+        by pickling; strategies with a tensor collective override it (and support `sync_grads`)."""
+        if sync_grads:
+            raise MisconfigurationError(f"all_gather(sync_grads=True) is not supported under {type(self).__name__}; "
+                                        "use strategy='ddp' for gathers that carry gradients.")
+        return torch.stack([t.to(tensor.device) for t in self.all_gather_object(tensor.detach().cpu())])
+
     def gather_data_parallel(self, obj: Any) -> list[Any]:
         """Every data-parallel rank's `obj`, ordered by data-parallel rank (the ranks that split the data)."""
         return self.all_gather_object(obj)

@@ -182,3 +182,6 @@ class DDPStrategy(Strategy):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return distributed.all_gather_object(obj)
+
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        return distributed.all_gather_tensor(tensor, distributed.collective_device(self.backend, self.root_device), sync_grads)

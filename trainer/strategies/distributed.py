@@ -141,6 +141,19 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return box[0]
 
 
+def all_gather_tensor(tensor: torch.Tensor, device: torch.device, sync_grads: bool, group: Any = None) -> torch.Tensor:
+    """Every rank's `tensor` (of one shape and dtype on all of them) stacked along a new first dimension, on
+    `tensor`'s device, in one tensor collective; with `sync_grads`, gradients flow back to each rank's own."""
+    if sync_grads:
+        import torch.distributed.nn.functional as differentiable  # only here: it imports torch's rpc modules
+
+        return torch.stack(differentiable.all_gather(tensor.to(device), group=group)).to(tensor.device)
+    local = tensor.detach().to(device).contiguous()
+    gathered = torch.empty((dist.get_world_size(group), *local.shape), dtype=local.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    return gathered.to(tensor.device)
+
+
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)

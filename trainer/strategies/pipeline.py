@@ -437,6 +437,9 @@ class PipelineStrategy(Strategy):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return distributed.all_gather_object(obj)
 
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        return distributed.all_gather_tensor(tensor, distributed.collective_device(self.backend, self.root_device), sync_grads)
+
     def gather_data_parallel(self, obj: Any) -> list[Any]:
         """From the same stage of every replica: every rank of a pipeline holds its outputs."""
         return distributed.all_gather_object(obj, group=self._dp_group) if self.replicas > 1 else [obj]
