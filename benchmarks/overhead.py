@@ -8,11 +8,12 @@ model summary, ModelCheckpoint, CSV logger, and the module calls `self.log("loss
 every step. The default ModelCheckpoint writes one file per epoch (`epoch=N-step=M.ckpt`) and gives it
 a second name, `last.ckpt` (a hard link), so both sides write one checkpoint per epoch.
 
-Method: timestamps are taken at the end of every training batch: by a callback's
-`on_train_batch_end` for the Trainer (it runs before the built-in callbacks' own batch-end work, which
-therefore lands in the next interval), and right after `zero_grad` and the CSV row in the hand loop;
-plus one at the start and one at the end of the training phase (`on_train_start` / `on_train_end`).
-  steady   = median interval between consecutive batch ends inside an epoch; the median, not the mean,
+Method: a timestamp is taken as each training step starts its forward pass: first thing in the module's
+`training_step` for the Trainer, and at the same point (batch in hand) in the hand loop; so no measuring
+callback runs per step on the Trainer's side, whose whole step cycle (batch fetch, hooks, optimizer, logging)
+lies between two stamps. One more at the start and one at the end of the training phase (the module's
+`on_train_start` / `on_train_end`).
+  steady   = median interval between consecutive step starts inside an epoch; the median, not the mean,
              so that the moments another process holds the CPU do not count;
   epoch    = median over epochs of the extra time at the epoch boundary (epoch-end validation is off;
              this is checkpointing, epoch metrics, the next loader iterator), spread over its steps;
@@ -107,7 +108,7 @@ def now() -> tuple[float, float]:
 
 @dataclass
 class Timing:
-    """Timestamps of one run: start of training, each batch end (grouped per epoch), end of training."""
+    """Timestamps of one run: start of training, each step start (grouped per epoch), end of training."""
 
     start: tuple[float, float]
     epochs: list[list[tuple[float, float]]]
@@ -122,12 +123,13 @@ class Timing:
         return statistics.median(b[clock] - a[clock] for epoch in self.epochs for a, b in zip(epoch, epoch[1:]))
 
     def epoch_extra(self, clock: int) -> float:
-        """Median time an epoch boundary adds beyond the steady step it contains."""
-        steady, extras, previous = self.steady_step(clock), [], self.start
-        for epoch in self.epochs:
-            extras.append(epoch[0][clock] - previous[clock] - steady)  # previous epoch's end + this one's start
-            previous = epoch[-1]
-        extras[-1] += self.end[clock] - previous[clock]  # the last epoch's end work
+        """Median time an epoch boundary adds beyond the steady step it contains: from the previous epoch's last
+        step start (the training start, for the first epoch) to this epoch's first; the last epoch's also holds
+        its last step and the end of training."""
+        steady, extras = self.steady_step(clock), [self.epochs[0][0][clock] - self.start[clock]]
+        for previous, epoch in zip(self.epochs, self.epochs[1:]):
+            extras.append(epoch[0][clock] - previous[-1][clock] - steady)  # a step, the epoch's end, the next's start
+        extras[-1] += self.end[clock] - self.epochs[-1][-1][clock] - steady
         return statistics.median(extras)
 
     def per_step(self, clock: int) -> float:
@@ -137,12 +139,40 @@ class Timing:
         return self.whole - (self.end[0] - self.start[0])
 
 
-class MLP(TrainModule):
+class StepStamps:
+    """Timestamps of one run, taken by the module itself (see "Method"): no callback runs per step."""
+
+    def __init__(self) -> None:
+        self.epochs: list[list[tuple[float, float]]] = []
+        self.start = self.end = (0.0, 0.0)
+
+    def step(self, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.epochs.append([])
+        self.epochs[-1].append(now())
+
+
+class Stamped(TrainModule):
+    """Stamps each step's start (its training_step calls `self.stamps.step`) and the training phase's start and end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamps = StepStamps()
+
+    def on_train_start(self) -> None:
+        self.stamps.start = now()
+
+    def on_train_end(self) -> None:
+        self.stamps.end = now()
+
+
+class MLP(Stamped):
     def __init__(self) -> None:
         super().__init__()
         self.net = build_net()
 
     def training_step(self, batch, batch_idx):
+        self.stamps.step(batch_idx)
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.log("loss", loss, prog_bar=True)
@@ -152,33 +182,19 @@ class MLP(TrainModule):
         return torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
 
 
-class StepClock(Callback):
-    def on_train_start(self, trainer, module):
-        self.start, self.epochs = now(), []
-
-    def on_train_epoch_start(self, trainer, module):
-        self.epochs.append([])
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.epochs[-1].append(now())
-
-    def on_train_end(self, trainer, module):
-        self.end = now()
-
-
 def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
     begin = time.perf_counter()
     net, optimizer, loader = hand_parts(data)
     folder.mkdir(parents=True, exist_ok=True)
-    steps, stamps = 0, []
+    steps, stamps = 0, StepStamps()
     with open(folder / "metrics.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "loss"])
-        start = now()
+        stamps.start = now()
         for epoch in range(epochs):
             net.train()
-            stamps.append([])
-            for x, y in loader:
+            for batch_idx, (x, y) in enumerate(loader):
+                stamps.step(batch_idx)
                 loss = F.cross_entropy(net(x), y)
                 loss.backward()
                 optimizer.step()
@@ -186,25 +202,24 @@ def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
                 steps += 1
                 if steps % LOG_EVERY == 0:
                     writer.writerow([steps, loss.item()])
-                stamps[-1].append(now())
             state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
             with open(folder / "last.ckpt.tmp", "wb") as checkpoint:  # atomic and durable, like ours
                 torch.save(state, checkpoint)
                 checkpoint.flush()
                 os.fsync(checkpoint.fileno())
             os.replace(folder / "last.ckpt.tmp", folder / "last.ckpt")
-        end = now()
-    return Timing(start, stamps, end, time.perf_counter() - begin)
+        stamps.end = now()
+    return Timing(stamps.start, stamps.epochs, stamps.end, time.perf_counter() - begin)
 
 
 def with_trainer(data: TensorDataset, epochs: int, folder: Path) -> Timing:
     begin = time.perf_counter()
     torch.manual_seed(0)
-    clock = StepClock()
-    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[clock], accelerator="cpu",
-                      log_every_n_steps=LOG_EVERY)
-    trainer.fit(MLP(), DataLoader(data, batch_size=BATCH, shuffle=True))
-    return Timing(clock.start, clock.epochs, clock.end, time.perf_counter() - begin)
+    module = MLP()
+    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), accelerator="cpu", log_every_n_steps=LOG_EVERY)
+    trainer.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True))
+    stamps = module.stamps
+    return Timing(stamps.start, stamps.epochs, stamps.end, time.perf_counter() - begin)
 
 
 class InterleavedHandSteps(Callback):
@@ -280,12 +295,13 @@ def interleaved_hand_blocks(data: TensorDataset, epochs: int, block: int) -> Int
     return interleaved
 
 
-class NoOp(TrainModule):
+class NoOp(Stamped):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(()))
 
     def training_step(self, batch, batch_idx):
+        self.stamps.step(batch_idx)
         loss = self.weight * batch[0].sum()
         self.log("loss", loss, prog_bar=True)
         return loss
@@ -300,20 +316,20 @@ def framework_floor(runs: int, steps: int, folder: Path) -> None:
     for run in range(runs):
         weight = nn.Parameter(torch.zeros(()))
         optimizer = torch.optim.SGD([weight], lr=0.0)
-        stamps = [now()]
-        for count, (x,) in enumerate(DataLoader(data, batch_size=1, shuffle=True), start=1):
+        stamps = StepStamps()
+        for batch_idx, (x,) in enumerate(DataLoader(data, batch_size=1, shuffle=True)):
+            stamps.step(batch_idx)
             loss = weight * x.sum()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if count % LOG_EVERY == 0:
+            if (batch_idx + 1) % LOG_EVERY == 0:
                 loss.item()
-            stamps.append(now())
-        hand.append(Timing(stamps[0], [stamps[1:]], stamps[-1], 0.0).steady_step(1))
-        clock = StepClock()
-        Trainer(max_epochs=1, default_root_dir=str(folder / str(run)), callbacks=[clock], accelerator="cpu",
-                log_every_n_steps=LOG_EVERY).fit(NoOp(), DataLoader(data, batch_size=1, shuffle=True))
-        ours.append(Timing(clock.start, clock.epochs, clock.end, 0.0).steady_step(1))
+        hand.append(Timing(stamps.start, stamps.epochs, stamps.end, 0.0).steady_step(1))
+        module = NoOp()
+        Trainer(max_epochs=1, default_root_dir=str(folder / str(run)), accelerator="cpu",
+                log_every_n_steps=LOG_EVERY).fit(module, DataLoader(data, batch_size=1, shuffle=True))
+        ours.append(Timing(module.stamps.start, module.stamps.epochs, module.stamps.end, 0.0).steady_step(1))
     floor_hand, floor_ours = min(hand) * 1e6, min(ours) * 1e6
     print(f"framework floor (cpu, no-op step, min of {runs} runs): hand-written {floor_hand:.1f} us, Trainer "
           f"{floor_ours:.1f} us: the Trainer adds {floor_ours - floor_hand:.1f} us per step")
