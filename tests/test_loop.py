@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import time
 
 import pytest
@@ -293,6 +294,70 @@ def test_lr_scaling_scales_every_rate_a_schedule_is_built_from(schedule):
         optimizer.step()
         scheduler.step()
     assert rates.seen == pytest.approx(expected, rel=1e-12)
+
+
+class TimmLikeCosine:
+    """A scheduler as timm writes them: rates read from the groups at construction into `base_values`, set by
+    `step_update(num_updates)`, which the module's lr_scheduler_step calls (Lightning's recipe for timm)."""
+
+    def __init__(self, optimizer, total):
+        self.optimizer, self.total = optimizer, total
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        self.base_values = [group["initial_lr"] for group in optimizer.param_groups]
+
+    def step_update(self, num_updates):
+        for group, base in zip(self.optimizer.param_groups, self.base_values):
+            group["lr"] = base * 0.5 * (1 + math.cos(math.pi * num_updates / self.total))
+
+    def step(self, epoch=None):
+        pass
+
+    def state_dict(self):
+        return {"base_values": self.base_values}
+
+    def load_state_dict(self, state):
+        self.base_values = state["base_values"]
+
+
+def test_lr_scaling_scales_a_timm_schedulers_base_values_and_warns_for_a_scheduler_it_cannot_scale():
+    class Scheduled(Regressor):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": TimmLikeCosine(optimizer, 6), "interval": "step"}}
+
+        def lr_scheduler_step(self, scheduler, metric):
+            scheduler.step_update(self.global_step)
+
+    class Rates(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.seen.append(optimizer.param_groups[0]["lr"])
+
+    rates = Rates()
+    Trainer(seed=SEED, max_epochs=3, accumulate_grad_batches=2, lr_scaling="linear", callbacks=[rates],
+            **QUIET).fit(Scheduled(), DataLoader(regression_data(samples=32), batch_size=8))
+    expected = [0.1] + [0.1 * 0.5 * (1 + math.cos(math.pi * step / 6)) for step in range(1, 6)]
+    assert rates.seen == pytest.approx(expected, rel=1e-12)
+
+    class Opaque(TimmLikeCosine):
+        def __init__(self, optimizer, total):
+            super().__init__(optimizer, total)
+            self.rates = self.__dict__.pop("base_values")
+
+    class Unscalable(Scheduled):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": Opaque(optimizer, 6), "interval": "step"}}
+
+        def lr_scheduler_step(self, scheduler, metric):
+            pass
+
+    with pytest.warns(UserWarning, match=r"multiplied the optimizers' learning rates by 2, but Opaque keeps the rates"):
+        Trainer(seed=SEED, max_epochs=1, accumulate_grad_batches=2, lr_scaling="linear",
+                **QUIET).fit(Unscalable(), DataLoader(regression_data(samples=32), batch_size=8))
 
 
 @pytest.mark.parametrize(("batch_size", "drop_last", "start", "end", "expected"),

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -201,11 +202,18 @@ def _multiply_rates(optimizers: list[Optimizer], schedulers: list[SchedulerConfi
     while pending:
         scheduler = pending.pop()
         pending.extend(getattr(scheduler, "_schedulers", []))  # SequentialLR and ChainedScheduler
-        for name in ("base_lrs", "max_lrs"):
+        scaled = False
+        for name in ("base_lrs", "max_lrs", "base_values"):  # base_values: timm's schedulers
             if isinstance(getattr(scheduler, name, None), list):
                 setattr(scheduler, name, [lr * ratio for lr in getattr(scheduler, name)])
+                scaled = True
         if isinstance(getattr(scheduler, "eta_min", None), (int, float)):
             scheduler.eta_min *= ratio
+        if not scaled and not is_torch_scheduler(scheduler):
+            warnings.warn(
+                f"lr_scaling multiplied the optimizers' learning rates by {ratio:g}, but {type(scheduler).__name__} keeps "
+                "the rates it sets where the Trainer does not know to scale them (torch's base_lrs, timm's base_values), "
+                "so its steps may set unscaled rates; build it with rates multiplied by the same factor.", stacklevel=3)
 
 
 def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor],
