@@ -135,13 +135,20 @@ def test_a_duration_override_is_a_duration_not_a_yaml_base_60_number(recipes_her
 
 
 def test_a_duration_in_a_recipe_file_is_a_duration_not_a_yaml_base_60_number(recipes_here):
-    (recipes_here / "timed.yaml").write_text("trainer:\n  max_time: 1:12:00:00\ncallbacks:\n"
-                                            "  - class_path: callbacks.Timer\n    init_args: {duration: 2:00:00:00}\n")
+    (recipes_here / "timed.yaml").write_text(
+        "trainer:\n  max_time: 1:12:00:00\ncallbacks:\n"
+        "  - class_path: callbacks.Timer\n    init_args: &timer {duration: 2:00:00:00, interval: step}\n"
+        "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, interval: epoch}\n"
+        "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, duration: 3:00:00:00}\n")
     recipe = load_recipe(["good.yaml", "timed.yaml"])
     assert recipe.trainer.max_time == "1:12:00:00"  # YAML alone: 259200 seconds, three days
     assert parse_duration(recipe.trainer.max_time) == 36 * 3600
-    timer, = recipe.callbacks  # the list replaces good.yaml's
-    assert timer.init_args["duration"] == "2:00:00:00" and timer.instantiate().duration == 48 * 3600
+    # The list replaces good.yaml's; a `<<` merge brings the text along, and a key set beside it wins.
+    assert [timer.init_args for timer in recipe.callbacks] == [
+        {"duration": "2:00:00:00", "interval": "step", "verbose": True},
+        {"duration": "2:00:00:00", "interval": "epoch", "verbose": True},
+        {"duration": "3:00:00:00", "interval": "step", "verbose": True}]
+    assert recipe.callbacks[1].instantiate().duration == 48 * 3600
 
 
 def test_lightning_cli_style_options_are_answered_with_the_override_syntax(recipes_here, capsys):

@@ -669,6 +669,21 @@ def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_lo
         assert torch.equal(module.layer.state_dict()[name], tensor), name
 
 
+def test_an_lbfgs_run_resumed_from_a_checkpoint_ends_where_the_uninterrupted_run_does(tmp_path):
+    torch.manual_seed(0)
+    uninterrupted = WithLBFGS()
+    first = WithLBFGS()
+    first.load_state_dict(uninterrupted.state_dict())
+    Trainer(max_epochs=2, **QUIET).fit(uninterrupted, loader(20))
+    stopped = Trainer(max_steps=3, **QUIET)
+    stopped.fit(first, loader(20))
+    stopped.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = WithLBFGS()
+    Trainer(max_epochs=2, **QUIET).fit(resumed, loader(20), ckpt_path=tmp_path / "mid.ckpt")  # LBFGS's history too
+    for name, tensor in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
 def test_lbfgs_is_refused_where_its_evaluations_cannot_be_honoured():
     with pytest.raises(MisconfigurationError, match="accumulate_grad_batches=2 cannot be used with LBFGS"):
         Trainer(max_epochs=1, accumulate_grad_batches=2, **QUIET).fit(WithLBFGS(), loader(8))

@@ -293,9 +293,11 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
         return
     try:
         for index, (optimizer, state) in enumerate(zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True)):
+            # torch takes the saved param groups whole: another kind of optimizer's fail only at its first step. The
+            # keys the optimizer's own groups hold are the ones it needs (its `defaults` may gain more on loading).
+            needed = {key for group in optimizer.param_groups for key in group}
             trainer.strategy.load_optimizer_state_dict(optimizer, state)
-            # torch takes the saved param groups whole: another kind of optimizer's fail only at its first step.
-            missing = sorted({key for key in getattr(optimizer, "defaults", {}) for group in optimizer.param_groups if key not in group})
+            missing = sorted({key for key in needed for group in optimizer.param_groups if key not in group})
             if missing:
                 raise CheckpointError(
                     f"the checkpoint's optimizer {index} has no {', '.join(missing)}, which configure_optimizers' "

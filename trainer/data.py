@@ -263,6 +263,10 @@ def prepare_loader(
             shuffle=isinstance(user_sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
         )
     elif num_replicas > 1:
+        if isinstance(user_sampler, RandomSampler) and user_sampler.generator is None:
+            # Each rank would draw its own order, and their slices would overlap: all draw the same one.
+            user_sampler = RandomSampler(loader.dataset, replacement=user_sampler.replacement,
+                                         num_samples=user_sampler._num_samples, generator=torch.Generator().manual_seed(seed))
         sampler = ShardedSampler(user_sampler, num_replicas, rank, padded=train)
     else:
         sampler = user_sampler

@@ -163,7 +163,7 @@ def read_recipe_file(path_text: str) -> DictConfig:
                                     f"this file holds a {type(loaded).__name__}.")
     for keys, text in _base_60_scalars(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)):
         parent: Any = loaded
-        for key in keys[:-1]:  # (a key that is not the loaded one's, as under a `<<` merge, is left alone)
+        for key in keys[:-1]:
             parent = parent.get(key) if isinstance(parent, DictConfig) else parent[key] if isinstance(parent, ListConfig) else None
         if isinstance(parent, ListConfig) or isinstance(parent, DictConfig) and keys[-1] in parent:
             parent[keys[-1]] = text  # YAML 1.1 reads `max_time: 1:12:00:00` as 259200 (base 60): a duration is meant
@@ -173,8 +173,18 @@ def read_recipe_file(path_text: str) -> DictConfig:
 def _base_60_scalars(node: yaml.Node | None, keys: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], str]]:
     """(key path, text) of each unquoted number YAML 1.1 reads in base 60 (`1:30` is 90) under `node`."""
     if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
+        merged = [pair for pair in node.value if pair[0].tag == "tag:yaml.org,2002:merge"]
+        own = [pair for pair in node.value if pair not in merged]
+        for key_node, value_node in own:
             yield from _base_60_scalars(value_node, (*keys, key_node.value))
+        # `<<: *anchor` (or a list of them) brings the anchored mapping's keys here, where this one sets none.
+        taken = {key_node.value for key_node, _ in own}
+        for _, value_node in merged:
+            for source in value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]:
+                for key_node, inner in source.value if isinstance(source, yaml.MappingNode) else []:
+                    if key_node.value not in taken:
+                        taken.add(key_node.value)
+                        yield from _base_60_scalars(inner, (*keys, key_node.value))
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             yield from _base_60_scalars(item, (*keys, index))

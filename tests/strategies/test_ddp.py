@@ -182,6 +182,9 @@ class GatheringNet(Net):
         x, y = batch
         gathered = self.all_gather({"prediction": self(x), "target": y, "rank": self.global_rank}, sync_grads=True)
         assert gathered["rank"] == [0, 1] and gathered["prediction"].shape == (2, *y.shape)
+        plain = self.all_gather([torch.tensor(self.global_rank), torch.full((2, 3), self.global_rank, dtype=torch.int64)])
+        assert torch.equal(plain[0], torch.tensor([0, 1])) and torch.equal(plain[1][:, 0, 0], torch.tensor([0, 1]))
+        assert plain[1].shape == (2, 2, 3) and not gathered["target"].requires_grad
         return F.mse_loss(gathered["prediction"], gathered["target"])
 
 
@@ -384,12 +387,13 @@ class RankFileWriter(BasePredictionWriter):
 
 
 @pytest.mark.timeout(240)
-def test_a_prediction_writer_writes_each_ranks_share_with_the_indices_of_its_samples(tmp_path):
+def test_a_prediction_writer_writes_each_ranks_shuffled_share_with_the_indices_of_its_samples(tmp_path):
     module = PredictingNet()
     module.load_state_dict(initial_state())
     trainer = Trainer(strategy="ddp", devices=2, default_root_dir=str(tmp_path), logger=False,
                       callbacks=[RankFileWriter(str(tmp_path))], **QUIET)
-    assert trainer.predict(module, DataLoader(VAL, batch_size=BATCH), return_predictions=False) is None
+    # Shuffled, with no seed given: every rank must still draw the same order, or their slices would overlap.
+    assert trainer.predict(module, DataLoader(VAL, batch_size=BATCH, shuffle=True), return_predictions=False) is None
     shares = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     indices = [[i for batch in share["indices"] for i in batch] for share in shares]
     assert (len(indices[0]), len(indices[1])) == (11, 10) and sorted(indices[0] + indices[1]) == list(range(len(VAL)))

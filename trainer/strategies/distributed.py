@@ -148,8 +148,9 @@ def all_gather_tensor(tensor: torch.Tensor, device: torch.device, sync_grads: bo
         import torch.distributed.nn.functional as differentiable  # only here: it imports torch's rpc modules
 
         return torch.stack(differentiable.all_gather(tensor.to(device), group=group)).to(tensor.device)
-    local = tensor.detach().to(device).contiguous()
-    gathered = torch.empty((dist.get_world_size(group), *local.shape), dtype=local.dtype, device=device)
+    # all_gather_into_tensor concatenates along the first dimension: a leading 1 makes that a stack (0-dim too).
+    local = tensor.detach().to(device).reshape(1, *tensor.shape).contiguous()
+    gathered = torch.empty((dist.get_world_size(group), *tensor.shape), dtype=local.dtype, device=device)
     dist.all_gather_into_tensor(gathered, local, group=group)
     return gathered.to(tensor.device)
 
