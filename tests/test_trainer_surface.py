@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks import Callback, EarlyStopping, ModelCheckpoint, RichProgressBar
 from trainer import DataModule, Trainer, TrainModule
 from trainer.errors import MisconfigurationError
+from trainer.faults import NonFiniteLossError
 from trainer.optim import check_closure_optimizer
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
@@ -609,6 +610,22 @@ def test_a_modules_optimizer_hooks_step_zero_and_clip_as_a_hand_written_loop_doe
     assert module.closure_losses == losses  # the closure gives the step's loss
     # As in Lightning, inside the override's optimizer.step(): after its body set the warm-up's rate.
     assert module.rates_before_step == [0.05 * min(1.0, (step + 1) / 3) for step in range(10)]
+
+    class SteppingTwice(Counting):
+        def __init__(self):
+            super().__init__()
+            self.before_steps = 0
+
+        def on_before_optimizer_step(self, optimizer):
+            self.before_steps += 1
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            optimizer.step(closure=optimizer_closure)
+            optimizer.step(closure=optimizer_closure)
+
+    twice = SteppingTwice()
+    Trainer(max_epochs=1, **QUIET).fit(twice, loader(20))
+    assert (twice.calls["train"], twice.before_steps) == (10, 10)  # once per step() call, as in Lightning
     assert module.clip_arguments == {(5.0, "norm")}  # the Trainer's settings, which the override may ignore
     for name, tensor in reference.state_dict().items():
         assert torch.equal(module.layer.state_dict()[name], tensor), name
@@ -667,6 +684,79 @@ def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_lo
         assert [float(loss) for loss in module.step_results] == first_losses  # step returns the first evaluation's loss
     for name, tensor in reference.state_dict().items():
         assert torch.equal(module.layer.state_dict()[name], tensor), name
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its users write it: the step moves the weights up the gradient, calls the
+    closure for the gradient there, and steps from the original weights with it."""
+
+    def __init__(self, params, lr=0.1, rho=0.05):
+        super().__init__(params, {"lr": lr, "rho": rho})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is not None, "SAM needs its closure"
+        params = [p for group in self.param_groups for p in group["params"]]
+        norm = torch.stack([p.grad.norm() for p in params]).norm()
+        moves = [p.grad * self.defaults["rho"] / (norm + 1e-12) for p in params]
+        for p, move in zip(params, moves):
+            p.add_(move)
+        with torch.enable_grad():
+            loss = closure()
+        for p, move in zip(params, moves):
+            p.sub_(move).add_(p.grad, alpha=-self.defaults["lr"])
+        return loss
+
+
+class WithSAM(WithLBFGS):
+    def configure_optimizers(self):
+        return SAM(self.parameters())
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["trainer_steps", "module_optimizer_step"])
+def test_an_optimizer_that_calls_its_closure_after_moving_the_weights_gets_a_new_evaluation(own_step):
+    torch.manual_seed(0)
+    module = WithSAM(own_step)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(module.layer.state_dict())
+    Trainer(max_epochs=1, **QUIET).fit(module, loader(20))
+
+    optimizer = SAM(reference.parameters())
+    for x, y in loader(20):
+        F.mse_loss(reference(x), y).backward()
+
+        def closure(x=x, y=y):
+            optimizer.zero_grad()
+            loss = F.mse_loss(reference(x), y)
+            loss.backward()
+            return loss
+        optimizer.step(closure)
+        optimizer.zero_grad()
+    assert module.calls["train"] == 10 and module.before_steps == 5  # hooks after the closure's evaluation, as Lightning
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(module.layer.state_dict()[name], tensor), name
+
+
+def test_a_closure_evaluated_again_with_several_optimizers_or_to_a_non_finite_loss_stops_with_the_reason():
+    class Twice(Counting):
+        def configure_optimizers(self):
+            return [torch.optim.SGD([self.layer.weight], lr=0.1), torch.optim.SGD([self.layer.bias], lr=0.1)]
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            optimizer.step(closure=optimizer_closure)
+            optimizer.step(closure=optimizer_closure)  # the second call evaluates again
+
+    with pytest.raises(MisconfigurationError, match="SGD's closure was called again, which runs training_step and backward "
+                                                    "again; that needs one optimizer, and configure_optimizers returned 2"):
+        Trainer(max_epochs=1, **QUIET).fit(Twice(), loader(8))
+
+    class Diverging(WithLBFGS):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("inf") if self.calls["train"] == 3 else loss
+
+    with pytest.raises(NonFiniteLossError, match="the training loss was inf when the optimizer evaluated it again inside its step"):
+        Trainer(max_epochs=1, **QUIET).fit(Diverging(), loader(8))
 
 
 def test_an_lbfgs_run_resumed_from_a_checkpoint_ends_where_the_uninterrupted_run_does(tmp_path):

@@ -185,6 +185,19 @@ class StepGuard:
         self.trainer.module.log("train/skipped_nonfinite", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
         return False
 
+    def check_reevaluated(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """A loss that an optimizer's closure evaluated again (LBFGS, SAM) inside its step: one that is NaN or inf
+        stops the run unless nonfinite_loss='ignore' (the step cannot be skipped half-way; the optimizer reads the
+        loss on the host anyway)."""
+        if self.mode == "ignore":
+            return
+        value = loss.item()
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"the training loss was {value} when the optimizer evaluated it again inside its step at global step "
+                f"{self.trainer.progress.global_step} (epoch {self.trainer.progress.epoch}, batch {batch_idx}); the "
+                "last checkpoint is finite. Lower the learning rate or the optimizer's step size, or check that batch.")
+
     def stop_if_signalled(self) -> None:
         """Between batches, at a step boundary: when any rank got SIGTERM, save a checkpoint on every rank and exit."""
         if self._stop is None:

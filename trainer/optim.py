@@ -69,13 +69,39 @@ def is_torch_scheduler(scheduler: Any) -> bool:
 
 def needs_closure(optimizer: Optimizer) -> bool:
     """Whether the optimizer's step evaluates the loss itself, through a closure it must be given (LBFGS)."""
-    return _step_needs_closure(type(optimizer))
+    return _closure_parameter(type(optimizer)) == "required"
+
+
+def takes_closure(optimizer: Optimizer) -> bool:
+    """Whether the training step hands the optimizer's step a closure, as Lightning always does: where it needs
+    one, and for optimizers from outside torch.optim that take one (SAM calls it after moving the weights).
+    torch's others would only call it once, for the loss already computed."""
+    kind, declared = _closure_parameter(type(optimizer)), getattr(optimizer, "steps_with_closure", None)
+    if declared is not None:  # a wrapper says (the parameter server's RemoteOptimizer: never)
+        return declared
+    return kind == "required" or kind == "optional" and not type(optimizer).__module__.startswith("torch.optim")
 
 
 @functools.cache
-def _step_needs_closure(kind: type) -> bool:
+def _closure_parameter(kind: type) -> str | None:
     closure = inspect.signature(kind.step).parameters.get("closure")
-    return closure is not None and closure.default is inspect.Parameter.empty
+    if closure is None:
+        return None
+    return "required" if closure.default is inspect.Parameter.empty else "optional"
+
+
+class HookedClosure:
+    """A closure that runs `before_step` (on_before_optimizer_step, then clipping) after each evaluation, as
+    Lightning runs them after each closure call inside an optimizer's step; returns the closure's loss
+    (None without a closure: the hooks still run once, for the gradients already there)."""
+
+    def __init__(self, closure: Callable[[], Any] | None, before_step: Callable[[Optimizer], None], optimizer: Optimizer) -> None:
+        self.closure, self.before_step, self.optimizer = closure, before_step, optimizer
+
+    def __call__(self) -> Any:
+        loss = self.closure() if self.closure is not None else None
+        self.before_step(self.optimizer)
+        return loss
 
 
 def check_closure_optimizer(optimizers: list[Optimizer], accumulate_grad_batches: int, precision: str) -> None:
@@ -254,20 +280,19 @@ class ManualOptimizer:
 
 class HookOptimizer:
     """The optimizer a module's `optimizer_step` override gets, as Lightning's LightningOptimizer: `step`
-    goes through `before_step` (on_before_optimizer_step and clipping), then `apply` (the strategy's step: grad
-    scaler, parameter-server push, learning-rate warm-up). Forward and backward have already run, so the
-    closure's first call returns the step's loss; an optimizer that evaluates the loss itself (LBFGS) gets the
-    closure, whose later calls run them again. The rest is the optimizer's."""
+    goes through `apply` (the strategy's step: grad scaler, parameter-server push, learning-rate warm-up), with
+    `before_step` (on_before_optimizer_step and clipping) after each evaluation of the closure (HookedClosure).
+    Forward and backward have already run, so the closure's first call returns the step's loss; an optimizer
+    that takes a closure (LBFGS, SAM) gets it, and its later calls run them again. The rest is the optimizer's."""
 
     def __init__(self, optimizer: Optimizer, apply: Callable[..., Any], before_step: Callable[[Optimizer], None]) -> None:
         self.optimizer, self._apply, self._before_step = optimizer, apply, before_step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        if needs_closure(self.optimizer):
-            self._before_step(self.optimizer)
-            return self._apply(self.optimizer, closure=closure)
-        loss = closure() if closure is not None else None
-        self._before_step(self.optimizer)
+        hooked = HookedClosure(closure, self._before_step, self.optimizer)
+        if takes_closure(self.optimizer):
+            return self._apply(self.optimizer, closure=hooked)
+        loss = hooked()
         self._apply(self.optimizer)
         return loss
 

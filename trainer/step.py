@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from trainer.data import batch_mover
 from trainer.errors import MisconfigurationError
 from trainer.module import TrainModule, overridden
-from trainer.optim import HookOptimizer, needs_closure, step_scheduler
+from trainer.optim import HookedClosure, HookOptimizer, needs_closure, step_scheduler, takes_closure
 from trainer.strategies.base import step_loss
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ class TrainStep:
         self.module_optimizer_step = overridden(trainer.module, "optimizer_step", TrainModule)
         self.module_zero_grad = overridden(trainer.module, "optimizer_zero_grad", TrainModule)
         self.module_clipping = overridden(trainer.module, "configure_gradient_clipping", TrainModule)
-        # An optimizer that evaluates the loss itself (LBFGS) is the only one (optim.check_closure_optimizer).
-        self.closure_optimizer = self.automatic and any(needs_closure(optimizer) for optimizer in self.optimizers)
+        # Optimizers whose step gets a closure (optim.takes_closure); one that needs it (LBFGS) is the only one.
+        self.closure_optimizers = [self.automatic and takes_closure(optimizer) for optimizer in self.optimizers]
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
@@ -115,7 +115,7 @@ class TrainStep:
         overrides them. An optimizer that evaluates the loss itself (LBFGS: then the only one) gets a closure."""
         strategy, progress = self.strategy, self.progress
         warming_up = progress.global_step < self.lr_scaler.warmup_end
-        for optimizer in self.optimizers:
+        for optimizer, gets_closure in zip(self.optimizers, self.closure_optimizers):
             if self.module_optimizer_step is not None:
                 # As in Lightning, on_before_optimizer_step and clipping run inside the override's optimizer.step(),
                 # so they see what its body did first (a warm-up's rate), and not at all if it skips the step.
@@ -125,8 +125,11 @@ class TrainStep:
                 self.module_optimizer_step(progress.epoch, batch_idx, hooked, StepClosure(self, optimizer, batch, batch_idx, outputs))
                 self._zero_grad(optimizer, batch_idx)
                 continue
-            self._before_optimizer_step(optimizer)
-            closure = StepClosure(self, optimizer, batch, batch_idx, outputs) if self.closure_optimizer else None
+            closure = None
+            if gets_closure:  # on_before_optimizer_step and clipping run after each of its evaluations
+                closure = HookedClosure(StepClosure(self, optimizer, batch, batch_idx, outputs), self._before_optimizer_step, optimizer)
+            else:
+                self._before_optimizer_step(optimizer)
             if warming_up:
                 self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
             else:
@@ -158,7 +161,12 @@ class TrainStep:
 
     def evaluate_again(self, optimizer: Optimizer, batch: Any, batch_idx: int) -> torch.Tensor:
         """Zero the gradients, run training_step and backward on `batch` again (at the weights the optimizer has
-        moved to), with the hooks around them and clipping, as Lightning's closure does; the new loss."""
+        moved to), with the hooks around them, as Lightning's closure does; the new loss."""
+        if len(self.optimizers) > 1:  # the backward would fill the other optimizers' gradients too
+            raise MisconfigurationError(
+                f"{type(optimizer).__name__}'s closure was called again, which runs training_step and backward again; "
+                f"that needs one optimizer, and configure_optimizers returned {len(self.optimizers)}. Step them "
+                "yourself with `automatic_optimization = False`.")
         self._zero_grad(optimizer, batch_idx)
         outputs = self.strategy.forward_backward(batch, batch_idx, self.loss_scale, self.on_before_backward)
         if outputs is None:
@@ -167,24 +175,31 @@ class TrainStep:
                 f"{batch_idx}; return the loss on every call.")
         if self.on_after_backward is not None:
             self.on_after_backward()
-        self._before_optimizer_step(optimizer)
-        return step_loss(outputs).detach()
+        loss = step_loss(outputs).detach()
+        self.guard.check_reevaluated(loss, batch_idx)
+        return loss
 
 
 class StepClosure:
     """Lightning's `optimizer_closure`: the loss of the step's forward and backward, which have already run when
-    the optimizer gets it, so its first call only returns that loss. An optimizer that evaluates the loss at
-    other weights (LBFGS's iterations) calls it again: each later call runs them anew (TrainStep.evaluate_again).
-    Where several processes train, the loss returned is their mean, so that every rank's optimizer takes the
-    same decisions (how often to evaluate) on the same averaged gradients."""
+    the optimizer gets it, so its first call only returns that loss, while the weights are still the ones it
+    was computed at. A call at other weights (SAM, after moving them), or any later one (LBFGS's iterations),
+    runs them anew (TrainStep.evaluate_again). Where several processes train, an optimizer that needs the
+    closure gets the ranks' mean loss, so that every rank's takes the same decisions (how often to evaluate)
+    on the same averaged gradients."""
 
     def __init__(self, train_step: TrainStep, optimizer: Optimizer, batch: Any, batch_idx: int, outputs: Any) -> None:
         self.train_step, self.optimizer, self.batch, self.batch_idx = train_step, optimizer, batch, batch_idx
         self.loss: torch.Tensor | None = step_loss(outputs).detach()  # the graph itself went with backward
+        self.versions = _versions(optimizer)  # in-place changes to the weights count up their tensors' versions
         self.mean_over_ranks = train_step.strategy.world_size > 1 and needs_closure(optimizer)
 
     def __call__(self) -> torch.Tensor:
         loss, self.loss = self.loss, None
-        if loss is None:
+        if loss is None or _versions(self.optimizer) != self.versions:
             loss = self.train_step.evaluate_again(self.optimizer, self.batch, self.batch_idx)
         return self.train_step.strategy.reduce(loss, "mean") if self.mean_over_ranks else loss
+
+
+def _versions(optimizer: Optimizer) -> list[int]:
+    return [parameter._version for group in optimizer.param_groups for parameter in group["params"]]

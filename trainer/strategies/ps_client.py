@@ -194,6 +194,8 @@ class RemoteOptimizer(Optimizer):
     optimizer state loads into a single-device run.
     """
 
+    steps_with_closure = False  # see optim.takes_closure: the update runs on the servers
+
     def __init__(self, optimizer: Optimizer, client: ShardClient) -> None:
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer, self.client = optimizer, client
