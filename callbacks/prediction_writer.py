@@ -25,6 +25,8 @@ class BasePredictionWriter(Callback):
 
     `batch_indices` are the dataset indices of a batch's samples, as this rank's sampler drew them; None where
     the trainer cannot know them (an IterableDataset, a DataLoader subclass, a loader without a batch sampler).
+    With `limit_predict_batches` under data parallelism each rank runs whole batches of its own slice, so what
+    is written may hold a few samples past one process's limit (the returned predictions are cut to it).
     """
 
     def __init__(self, write_interval: str = "batch") -> None:
