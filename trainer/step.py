@@ -112,7 +112,7 @@ class TrainStep:
     def optimizer_step(self, batch: Any, batch_idx: int, outputs: Any) -> None:
         """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers;
         through the module's optimizer_step, optimizer_zero_grad and configure_gradient_clipping where it
-        overrides them. An optimizer that evaluates the loss itself (LBFGS: then the only one) gets a closure."""
+        overrides them. An optimizer that takes a closure (optim.takes_closure: LBFGS, SAM) gets one."""
         strategy, progress = self.strategy, self.progress
         warming_up = progress.global_step < self.lr_scaler.warmup_end
         for optimizer, gets_closure in zip(self.optimizers, self.closure_optimizers):
@@ -191,12 +191,15 @@ class StepClosure:
     def __init__(self, train_step: TrainStep, optimizer: Optimizer, batch: Any, batch_idx: int, outputs: Any) -> None:
         self.train_step, self.optimizer, self.batch, self.batch_idx = train_step, optimizer, batch, batch_idx
         self.loss: torch.Tensor | None = step_loss(outputs).detach()  # the graph itself went with backward
-        self.versions = _versions(optimizer)  # in-place changes to the weights count up their tensors' versions
+        # In-place changes to the weights count up their tensors' versions. Read only for an optimizer that gets
+        # the closure: a module's optimizer_step calls it before stepping, and per step the read costs a pass
+        # over every parameter.
+        self.versions = _versions(optimizer) if takes_closure(optimizer) else None
         self.mean_over_ranks = train_step.strategy.world_size > 1 and needs_closure(optimizer)
 
     def __call__(self) -> torch.Tensor:
         loss, self.loss = self.loss, None
-        if loss is None or _versions(self.optimizer) != self.versions:
+        if loss is None or self.versions is not None and _versions(self.optimizer) != self.versions:
             loss = self.train_step.evaluate_again(self.optimizer, self.batch, self.batch_idx)
         return self.train_step.strategy.reduce(loss, "mean") if self.mean_over_ranks else loss
 
