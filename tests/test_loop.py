@@ -257,6 +257,24 @@ def test_lr_scaling_with_warmup_matches_hand_written_loop():
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == 0.03 * 2.0  # exactly: no drift from warm-up
 
 
+class LearningRates(Callback):
+    """The first group's rate at each optimizer step."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.seen.append(optimizer.param_groups[0]["lr"])
+
+
+def rates_seen_with_doubled_rates(module: TrainModule) -> list[float]:
+    """The rates of 3 epochs of 2 steps under lr_scaling='linear' with accumulate_grad_batches=2 (a scale of 2)."""
+    rates = LearningRates()
+    Trainer(seed=SEED, max_epochs=3, accumulate_grad_batches=2, lr_scaling="linear", callbacks=[rates],
+            **QUIET).fit(module, DataLoader(regression_data(samples=32), batch_size=8))
+    return rates.seen
+
+
 @pytest.mark.parametrize("schedule", ["one_cycle", "cyclic", "cosine_then_step"])
 def test_lr_scaling_scales_every_rate_a_schedule_is_built_from(schedule):
     """OneCycleLR reads its groups' max_lr/min_lr, CyclicLR its max_lrs, cosine annealing its eta_min: the
@@ -276,24 +294,15 @@ def test_lr_scaling_scales_every_rate_a_schedule_is_built_from(schedule):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": build(optimizer, 1.0), "interval": "step"}}
 
-    class Rates(Callback):
-        def __init__(self):
-            self.seen = []
-
-        def on_before_optimizer_step(self, trainer, module, optimizer):
-            self.seen.append(optimizer.param_groups[0]["lr"])
-
-    rates = Rates()
     torch.manual_seed(123)
-    Trainer(seed=SEED, max_epochs=3, accumulate_grad_batches=2, lr_scaling="linear", callbacks=[rates],
-            **QUIET).fit(Scheduled(), DataLoader(regression_data(samples=32), batch_size=8))
+    seen = rates_seen_with_doubled_rates(Scheduled())
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
     scheduler, expected = build(optimizer, 2.0), []
     for _ in range(6):
         expected.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert rates.seen == pytest.approx(expected, rel=1e-12)
+    assert seen == pytest.approx(expected, rel=1e-12)
 
 
 class TimmLikeCosine:
@@ -329,18 +338,9 @@ def test_lr_scaling_scales_a_timm_schedulers_base_values_and_warns_for_a_schedul
         def lr_scheduler_step(self, scheduler, metric):
             scheduler.step_update(self.global_step)
 
-    class Rates(Callback):
-        def __init__(self):
-            self.seen = []
-
-        def on_before_optimizer_step(self, trainer, module, optimizer):
-            self.seen.append(optimizer.param_groups[0]["lr"])
-
-    rates = Rates()
-    Trainer(seed=SEED, max_epochs=3, accumulate_grad_batches=2, lr_scaling="linear", callbacks=[rates],
-            **QUIET).fit(Scheduled(), DataLoader(regression_data(samples=32), batch_size=8))
+    seen = rates_seen_with_doubled_rates(Scheduled())
     expected = [0.1] + [0.1 * 0.5 * (1 + math.cos(math.pi * step / 6)) for step in range(1, 6)]
-    assert rates.seen == pytest.approx(expected, rel=1e-12)
+    assert seen == pytest.approx(expected, rel=1e-12)
 
     class Opaque(TimmLikeCosine):
         def __init__(self, optimizer, total):

@@ -631,6 +631,13 @@ def test_a_modules_optimizer_hooks_step_zero_and_clip_as_a_hand_written_loop_doe
         assert torch.equal(module.layer.state_dict()[name], tensor), name
 
 
+def with_reference_layer(module: Counting) -> tuple[Counting, nn.Linear]:
+    """`module` and a plain layer holding its layer's weights, for a hand-written loop to train alike."""
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(module.layer.state_dict())
+    return module, reference
+
+
 class WithLBFGS(Counting):
     """LBFGS under automatic optimization, as Lightning allows: its step evaluates the loss several times."""
 
@@ -657,10 +664,7 @@ class WithLBFGS(Counting):
 
 @pytest.mark.parametrize("own_step", [False, True], ids=["trainer_steps", "module_optimizer_step"])
 def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_loop_does(own_step):
-    torch.manual_seed(0)
-    module = WithLBFGS(own_step)
-    reference = nn.Linear(3, 1)
-    reference.load_state_dict(module.layer.state_dict())
+    module, reference = with_reference_layer(WithLBFGS(own_step))
     trainer = Trainer(max_epochs=2, gradient_clip_val=0.5, **QUIET)
     trainer.fit(module, loader(20))
 
@@ -715,10 +719,7 @@ class WithSAM(WithLBFGS):
 
 @pytest.mark.parametrize("own_step", [False, True], ids=["trainer_steps", "module_optimizer_step"])
 def test_an_optimizer_that_calls_its_closure_after_moving_the_weights_gets_a_new_evaluation(own_step):
-    torch.manual_seed(0)
-    module = WithSAM(own_step)
-    reference = nn.Linear(3, 1)
-    reference.load_state_dict(module.layer.state_dict())
+    module, reference = with_reference_layer(WithSAM(own_step))
     Trainer(max_epochs=1, **QUIET).fit(module, loader(20))
 
     optimizer = SAM(reference.parameters())
