@@ -123,17 +123,16 @@ class TrainStep:
                                            optimizer_step=strategy.optimizer_step) if warming_up else strategy.optimizer_step)
                 hooked = HookOptimizer(optimizer, apply, self._before_optimizer_step)
                 self.module_optimizer_step(progress.epoch, batch_idx, hooked, StepClosure(self, optimizer, batch, batch_idx, outputs))
-                self._zero_grad(optimizer, batch_idx)
-                continue
-            closure = None
-            if gets_closure:  # on_before_optimizer_step and clipping run after each of its evaluations
-                closure = HookedClosure(StepClosure(self, optimizer, batch, batch_idx, outputs), self._before_optimizer_step, optimizer)
             else:
-                self._before_optimizer_step(optimizer)
-            if warming_up:
-                self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
-            else:
-                strategy.optimizer_step(optimizer, closure)
+                closure = None
+                if gets_closure:  # on_before_optimizer_step and clipping run after each of its evaluations
+                    closure = HookedClosure(StepClosure(self, optimizer, batch, batch_idx, outputs), self._before_optimizer_step, optimizer)
+                else:
+                    self._before_optimizer_step(optimizer)
+                if warming_up:
+                    self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
+                else:
+                    strategy.optimizer_step(optimizer, closure)
             self._zero_grad(optimizer, batch_idx)
         progress.global_step += 1
         progress.batches_stepped += 1
