@@ -53,6 +53,9 @@ class TrainStep:
         self.module_optimizer_step = overridden(trainer.module, "optimizer_step", TrainModule)
         self.module_zero_grad = overridden(trainer.module, "optimizer_zero_grad", TrainModule)
         self.module_clipping = overridden(trainer.module, "configure_gradient_clipping", TrainModule)
+        self.hooked_before_step = (self.on_before_optimizer_step is not None or self.module_clipping is not None
+                                   or self.clip_value is not None)
+        self.hooked_zero_grad = self.on_before_zero_grad is not None or self.module_zero_grad is not None
         # Optimizers whose step gets a closure (optim.takes_closure); one that needs it (LBFGS) is the only one.
         self.closure_optimizers = [self.automatic and takes_closure(optimizer) for optimizer in self.optimizers]
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
@@ -127,13 +130,16 @@ class TrainStep:
                 closure = None
                 if gets_closure:  # on_before_optimizer_step and clipping run after each of its evaluations
                     closure = HookedClosure(StepClosure(self, optimizer, batch, batch_idx, outputs), self._before_optimizer_step, optimizer)
-                else:
+                elif self.hooked_before_step:
                     self._before_optimizer_step(optimizer)
                 if warming_up:
                     self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
                 else:
                     strategy.optimizer_step(optimizer, closure)
-            self._zero_grad(optimizer, batch_idx)
+            if self.hooked_zero_grad:
+                self._zero_grad(optimizer, batch_idx)
+            else:
+                optimizer.zero_grad(set_to_none=True)
         progress.global_step += 1
         progress.batches_stepped += 1
         for scheduler in self.step_schedulers:

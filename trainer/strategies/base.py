@@ -105,6 +105,8 @@ class Strategy:
         self.keeps_process_group = False
         self.module: TrainModule | None = None  # the user's module, unwrapped
         self.model: nn.Module | None = None  # what the steps run through (a wrapper or the module)
+        self._training_step: Callable[[Any, int], Any] | None = None  # see setup_module
+        self._plain_backward = False
 
     # ------------------------------------------------------------------ the world
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
@@ -194,8 +196,18 @@ class Strategy:
 
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
+        from trainer.module import TrainModule, overridden
+
         self.module = module.to(self.root_device)
         self.model = self.module
+        # run_step's lookups, done once: the module's training_step, called as run_step would call it.
+        self._training_step = (module.training_step if _takes_batch_idx(type(module), "training_step")
+                               else lambda batch, batch_idx: module.training_step(batch))
+        # Where neither this strategy, the precision nor the module changes backward, each step calls the
+        # loss's own: three calls fewer per step. One process only: with several, a backward stuck in the
+        # gradient all-reduce is reported by the frame it waits in (faults.raise_if_collective_timeout).
+        self._plain_backward = (self.world_size == 1 and type(self).backward is Strategy.backward
+                                and self.precision.scaler is None and overridden(module, "backward", TrainModule) is None)
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """A hook for strategies that own the optimizer (a parameter server); returns the optimizers to use."""
@@ -203,10 +215,11 @@ class Strategy:
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Run the user's training_step under autocast (through the wrapper, if any)."""
+        step = self._training_step or functools.partial(run_step, self.module, "training_step")
         if not self.precision.mixed:  # the per-step path: no context to enter and leave
-            return run_step(self.module, "training_step", batch, batch_idx)
+            return step(batch, batch_idx)
         with self.precision.autocast():
-            return run_step(self.module, "training_step", batch, batch_idx)
+            return step(batch, batch_idx)
 
     def backward(self, loss: torch.Tensor) -> None:
         """The module's backward, with the precision's scaling."""
@@ -223,10 +236,15 @@ class Strategy:
         output = self.training_step(batch, batch_idx)
         if output is None:
             return None  # the batch is skipped, as in Lightning (TrainStep allows it where one process trains)
-        loss = step_loss(output)
+        loss = output if type(output) is torch.Tensor else step_loss(output)
         if before_backward is not None:
             before_backward(loss)
-        self.backward(loss * loss_scale if loss_scale != 1.0 else loss)
+        if loss_scale != 1.0:
+            loss = loss * loss_scale
+        if self._plain_backward:
+            loss.backward()
+        else:
+            self.backward(loss)
         return output
 
     def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
@@ -252,6 +270,8 @@ class Strategy:
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> Any:
         """Apply the gradients (a parameter server pushes them instead); `closure` is for an optimizer that
         evaluates the loss itself (LBFGS). Returns what the optimizer's step returns."""
+        if self.precision.scaler is None and closure is None:  # the per-step path: nothing to go through
+            return optimizer.step()
         return self.precision.step(optimizer, closure)
 
     # ------------------------------------------------------------------ data
