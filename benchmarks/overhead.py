@@ -41,6 +41,12 @@ Framework floor: the same comparison with a step that does almost nothing (one s
 short runs, the minimum over runs of each side's median step: the per-step cost the Trainer adds in
 microseconds, with as little of the machine's noise as a shared machine allows.
 
+Loop only (`--loop-only`): the interleaved measurement again, of a module whose training_step is the hand-written
+step itself (manual optimization, its own optimizer, nothing logged; no bar, logger or checkpoints). Its ratio
+is what the Trainer's step (hooks, logging, the loss check, the optimizer path) does not account for: the loop
+around the step, a module whose layers are reached through nn.Module attributes, and whatever else differs
+between the two sides (where their tensors lie in memory, say).
+
 One intra-op thread by default: a second one only adds noise on a shared machine, and the overhead
 measured is the framework's Python work, not the kernels.
 
@@ -51,7 +57,7 @@ simulated cache misses and mispredicted branches, and KCachegrind's rough cycle 
 counts are deterministic (thread pools and hash seeds pinned), so they show the framework's own work
 exactly where the timings above cannot.
 
-Run: python benchmarks/overhead.py [--valgrind] [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--block 20] [--threads 1] [--floor-runs 15]
+Run: python benchmarks/overhead.py [--valgrind] [--loop-only] [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--block 20] [--threads 1] [--floor-runs 15]
 """
 
 from __future__ import annotations
@@ -276,6 +282,38 @@ def interleaved_blocks(data: TensorDataset, epochs: int, block: int, folder: Pat
     return interleaved
 
 
+class HandStepInLoop(TrainModule):
+    """The hand-written step itself, run by the Trainer's loop (manual optimization, its own optimizer, nothing
+    logged): what the loop and the run around it cost without the Trainer's step (see `--loop-only`)."""
+
+    automatic_optimization = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = build_net()
+        self.sgd = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        loss.backward()
+        self.sgd.step()
+        self.sgd.zero_grad(set_to_none=True)
+
+    def configure_optimizers(self):
+        return self.sgd
+
+
+def interleaved_loop_only(data: TensorDataset, epochs: int, block: int, folder: Path) -> InterleavedHandSteps:
+    """The interleaved measurement of HandStepInLoop, with nothing else per step (no bar, logger or checkpoints)."""
+    interleaved = InterleavedHandSteps(data, block)
+    torch.manual_seed(0)
+    Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[interleaved], accelerator="cpu", logger=False,
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+            ).fit(HandStepInLoop(), DataLoader(data, batch_size=BATCH, shuffle=True))
+    return interleaved
+
+
 def interleaved_hand_blocks(data: TensorDataset, epochs: int, block: int) -> InterleavedHandSteps:
     """The interleaved measurement with a hand-written loop in the Trainer's place: its ratio is the method's bias."""
     interleaved = InterleavedHandSteps(data, block)
@@ -441,6 +479,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--import-repeats", type=int, default=5)
     parser.add_argument("--floor-runs", type=int, default=15)
+    parser.add_argument("--loop-only", action="store_true",
+                        help="also measure the hand-written step run by the Trainer's loop (manual optimization, nothing "
+                             "logged or saved): how much of the steady ratio is not the Trainer's step")
     parser.add_argument("--valgrind", action="store_true",
                         help="only count instructions, cache misses and mispredicted branches per step under "
                              "valgrind's cachegrind (about 11 minutes)")
@@ -480,6 +521,13 @@ def main() -> None:
             blocks.append(interleaved_blocks(data, args.epochs, args.block, Path(tmp) / f"blocks{repeat}"))
             aa.append(interleaved_hand_blocks(data, args.epochs, args.block))
         report_blocks(args.block, blocks, aa, runs, args.steps_per_epoch)
+        if args.loop_only:
+            loop_only = [interleaved_loop_only(data, args.epochs, args.block, Path(tmp) / f"loop{repeat}")
+                         for repeat in range(args.block_repeats)]
+            for clock, name in enumerate(CLOCKS):
+                ratios = [run.ratios()[clock] for run in loop_only]
+                print(f"  {name:>4}: loop only (the hand-written step run by the Trainer's loop, nothing logged or "
+                      f"saved): steady step ratio {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
         framework_floor(args.floor_runs, 300, Path(tmp))
 
     torch_import = import_seconds("torch", args.import_repeats)
