@@ -643,7 +643,7 @@ class WithLBFGS(Counting):
 
     def __init__(self, own_step: bool = False) -> None:
         super().__init__()
-        self.own_step, self.before_steps, self.step_results = own_step, 0, []
+        self.own_step, self.before_steps, self.step_results, self.batch_end_losses = own_step, 0, [], []
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -653,8 +653,11 @@ class WithLBFGS(Counting):
     def on_before_optimizer_step(self, optimizer):
         self.before_steps += 1
 
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.batch_end_losses.append(float(outputs.detach()))
+
     def configure_optimizers(self):
-        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4, history_size=3)
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4, history_size=3)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
         if not self.own_step:
@@ -668,24 +671,29 @@ def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_lo
     trainer = Trainer(max_epochs=2, gradient_clip_val=0.5, **QUIET)
     trainer.fit(module, loader(20))
 
-    optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=4, history_size=3)
-    evaluations, first_losses = 0, []
+    optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.1, max_iter=4, history_size=3)
+    evaluations, first_losses, last_losses = 0, [], []
     for _ in range(2):
         for x, y in loader(20):
-            def closure(x=x, y=y):
+            step_losses = []
+
+            def closure(x=x, y=y, step_losses=step_losses):
                 nonlocal evaluations
                 evaluations += 1
                 optimizer.zero_grad()
                 loss = F.mse_loss(reference(x), y)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)  # after every evaluation, as Lightning
+                step_losses.append(float(loss))
                 return loss
             first_losses.append(float(optimizer.step(closure).detach()))
+            last_losses.append(step_losses[-1])
     assert evaluations > 10  # LBFGS did evaluate again: the test covers the closure's later calls
     assert module.calls["train"] == module.before_steps == evaluations
     assert trainer.global_step == 10
     if own_step:
         assert [float(loss) for loss in module.step_results] == first_losses  # step returns the first evaluation's loss
+    assert module.batch_end_losses == last_losses  # on_train_batch_end gets the last evaluation's output, as in Lightning
     for name, tensor in reference.state_dict().items():
         assert torch.equal(module.layer.state_dict()[name], tensor), name
 

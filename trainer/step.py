@@ -86,7 +86,7 @@ class TrainStep:
                     self.on_after_backward()
                 # A NaN/inf loss in the window raises, or (nonfinite_loss="skip") drops this step.
                 if self.guard.allow_step(outputs, batch_idx, stepping):
-                    self.optimizer_step(batch, batch_idx, outputs)
+                    outputs = self.optimizer_step(batch, batch_idx, outputs)
         progress.epoch_batches = batch_idx + 1
         if self.on_train_batch_end is None:
             self.trainer.publish_step_metrics()
@@ -112,10 +112,13 @@ class TrainStep:
                 "optimization it must return the loss tensor or a dict with key 'loss' (None skips a batch), or set "
                 "`automatic_optimization = False`.")
 
-    def optimizer_step(self, batch: Any, batch_idx: int, outputs: Any) -> None:
+    def optimizer_step(self, batch: Any, batch_idx: int, outputs: Any) -> Any:
         """Clip, step and zero every optimizer (at a lowered rate during lr warm-up), then the step schedulers;
         through the module's optimizer_step, optimizer_zero_grad and configure_gradient_clipping where it
-        overrides them. An optimizer that takes a closure (optim.takes_closure: LBFGS, SAM) gets one."""
+        overrides them. An optimizer that takes a closure (optim.takes_closure: LBFGS, SAM) gets one.
+
+        Returns training_step's output from the step's last evaluation (`outputs` unless a closure ran it
+        again), which on_train_batch_end gets, as in Lightning."""
         strategy, progress = self.strategy, self.progress
         warming_up = progress.global_step < self.lr_scaler.warmup_end
         for optimizer, gets_closure in zip(self.optimizers, self.closure_optimizers):
@@ -125,17 +128,22 @@ class TrainStep:
                 apply = (functools.partial(self.lr_scaler.step, global_step=progress.global_step,
                                            optimizer_step=strategy.optimizer_step) if warming_up else strategy.optimizer_step)
                 hooked = HookOptimizer(optimizer, apply, self._before_optimizer_step)
-                self.module_optimizer_step(progress.epoch, batch_idx, hooked, StepClosure(self, optimizer, batch, batch_idx, outputs))
+                step_closure = StepClosure(self, optimizer, batch, batch_idx, outputs)
+                self.module_optimizer_step(progress.epoch, batch_idx, hooked, step_closure)
+                outputs = step_closure.outputs
             else:
-                closure = None
+                closure = step_closure = None
                 if gets_closure:  # on_before_optimizer_step and clipping run after each of its evaluations
-                    closure = HookedClosure(StepClosure(self, optimizer, batch, batch_idx, outputs), self._before_optimizer_step, optimizer)
+                    step_closure = StepClosure(self, optimizer, batch, batch_idx, outputs)
+                    closure = HookedClosure(step_closure, self._before_optimizer_step, optimizer)
                 elif self.hooked_before_step:
                     self._before_optimizer_step(optimizer)
                 if warming_up:
                     self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
                 else:
                     strategy.optimizer_step(optimizer, closure)
+                if step_closure is not None:
+                    outputs = step_closure.outputs
             if self.hooked_zero_grad:
                 self._zero_grad(optimizer, batch_idx)
             else:
@@ -145,6 +153,7 @@ class TrainStep:
         for scheduler in self.step_schedulers:
             if progress.global_step % scheduler.frequency == 0:
                 step_scheduler(scheduler, self.trainer.callback_metrics, self.module.lr_scheduler_step)
+        return outputs
 
     def _before_optimizer_step(self, optimizer: Optimizer) -> None:
         """on_before_optimizer_step, then clipping (the module's own, where it overrides it)."""
@@ -164,9 +173,9 @@ class TrainStep:
         else:
             optimizer.zero_grad(set_to_none=True)
 
-    def evaluate_again(self, optimizer: Optimizer, batch: Any, batch_idx: int) -> torch.Tensor:
+    def evaluate_again(self, optimizer: Optimizer, batch: Any, batch_idx: int) -> tuple[Any, torch.Tensor]:
         """Zero the gradients, run training_step and backward on `batch` again (at the weights the optimizer has
-        moved to), with the hooks around them, as Lightning's closure does; the new loss."""
+        moved to), with the hooks around them, as Lightning's closure does; training_step's new output and loss."""
         if len(self.optimizers) > 1:  # the backward would fill the other optimizers' gradients too
             raise MisconfigurationError(
                 f"{type(optimizer).__name__}'s closure was called again, which runs training_step and backward again; "
@@ -182,7 +191,7 @@ class TrainStep:
             self.on_after_backward()
         loss = step_loss(outputs).detach()
         self.guard.check_reevaluated(loss, batch_idx)
-        return loss
+        return outputs, loss
 
 
 class StepClosure:
@@ -195,6 +204,7 @@ class StepClosure:
 
     def __init__(self, train_step: TrainStep, optimizer: Optimizer, batch: Any, batch_idx: int, outputs: Any) -> None:
         self.train_step, self.optimizer, self.batch, self.batch_idx = train_step, optimizer, batch, batch_idx
+        self.outputs = outputs  # training_step's output from the latest evaluation
         self.loss: torch.Tensor | None = step_loss(outputs).detach()  # the graph itself went with backward
         # In-place changes to the weights count up their tensors' versions. Read only for an optimizer that gets
         # the closure: a module's optimizer_step calls it before stepping, and per step the read costs a pass
@@ -205,7 +215,7 @@ class StepClosure:
     def __call__(self) -> torch.Tensor:
         loss, self.loss = self.loss, None
         if loss is None or self.versions is not None and _versions(self.optimizer) != self.versions:
-            loss = self.train_step.evaluate_again(self.optimizer, self.batch, self.batch_idx)
+            self.outputs, loss = self.train_step.evaluate_again(self.optimizer, self.batch, self.batch_idx)
         return self.train_step.strategy.reduce(loss, "mean") if self.mean_over_ranks else loss
 
 
