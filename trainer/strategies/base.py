@@ -105,7 +105,7 @@ class Strategy:
         self.keeps_process_group = False
         self.module: TrainModule | None = None  # the user's module, unwrapped
         self.model: nn.Module | None = None  # what the steps run through (a wrapper or the module)
-        self._training_step: Callable[[Any, int], Any] | None = None  # see setup_module
+        self._bound_training_step: Callable[[Any, int], Any] | None = None  # see setup_module
         self._plain_backward = False
 
     # ------------------------------------------------------------------ the world
@@ -201,8 +201,8 @@ class Strategy:
         self.module = module.to(self.root_device)
         self.model = self.module
         # run_step's lookups, done once: the module's training_step, called as run_step would call it.
-        self._training_step = (module.training_step if _takes_batch_idx(type(module), "training_step")
-                               else lambda batch, batch_idx: module.training_step(batch))
+        self._bound_training_step = (module.training_step if _takes_batch_idx(type(module), "training_step")
+                                     else lambda batch, batch_idx: module.training_step(batch))
         # Where neither this strategy, the precision nor the module changes backward, each step calls the
         # loss's own: three calls fewer per step. One process only: with several, a backward stuck in the
         # gradient all-reduce is reported by the frame it waits in (faults.raise_if_collective_timeout).
@@ -215,7 +215,7 @@ class Strategy:
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Run the user's training_step under autocast (through the wrapper, if any)."""
-        step = self._training_step or functools.partial(run_step, self.module, "training_step")
+        step = self._bound_training_step or functools.partial(run_step, self.module, "training_step")
         if not self.precision.mixed:  # the per-step path: no context to enter and leave
             return step(batch, batch_idx)
         with self.precision.autocast():
