@@ -349,10 +349,7 @@ class Trainer:
             self._step_row = {**pending, **for_logger} if pending else for_logger
         if write:
             if self._step_row:
-                if self.progress.batches_stepped % self.config.log_every_n_steps == 0:
-                    self._write_step_row()
-                else:  # not a logging step: the row goes (the call costs every step otherwise)
-                    self._step_row = None
+                self._write_step_row()
             self._row_written_early = False
 
     def _write_step_row(self) -> None:

@@ -54,11 +54,18 @@ class StepDispatcher(nn.Module):
         return run_step(self.module, step_name, *args)
 
 
-def run_step(module: nn.Module, step_name: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
-    """The module's `step_name` on (batch, batch_idx, ...), leaving batch_idx out where the step takes none, as
-    Lightning does (`def training_step(self, batch):` is common)."""
+def bound_step(module: nn.Module, step_name: str) -> Callable[..., Any]:
+    """The module's `step_name`, to call on (batch, batch_idx, ...): batch_idx is left out where the step takes
+    none, as Lightning does (`def training_step(self, batch):` is common)."""
     step = getattr(module, step_name)
-    return step(batch, batch_idx, *rest) if _takes_batch_idx(type(module), step_name) else step(batch, *rest)
+    if _takes_batch_idx(type(module), step_name):
+        return step
+    return lambda batch, batch_idx, *rest: step(batch, *rest)
+
+
+def run_step(module: nn.Module, step_name: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
+    """The module's `step_name` on (batch, batch_idx, ...) (see bound_step)."""
+    return bound_step(module, step_name)(batch, batch_idx, *rest)
 
 
 @functools.cache
@@ -200,9 +207,7 @@ class Strategy:
 
         self.module = module.to(self.root_device)
         self.model = self.module
-        # run_step's lookups, done once: the module's training_step, called as run_step would call it.
-        self._bound_training_step = (module.training_step if _takes_batch_idx(type(module), "training_step")
-                                     else lambda batch, batch_idx: module.training_step(batch))
+        self._bound_training_step = bound_step(module, "training_step")  # looked up once, not every step
         # Where neither this strategy, the precision nor the module changes backward, each step calls the
         # loss's own: three calls fewer per step. One process only: with several, a backward stuck in the
         # gradient all-reduce is reported by the frame it waits in (faults.raise_if_collective_timeout).
@@ -215,7 +220,7 @@ class Strategy:
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Run the user's training_step under autocast (through the wrapper, if any)."""
-        step = self._bound_training_step or functools.partial(run_step, self.module, "training_step")
+        step = self._bound_training_step or bound_step(self.module, "training_step")
         if not self.precision.mixed:  # the per-step path: no context to enter and leave
             return step(batch, batch_idx)
         with self.precision.autocast():
@@ -236,7 +241,7 @@ class Strategy:
         output = self.training_step(batch, batch_idx)
         if output is None:
             return None  # the batch is skipped, as in Lightning (TrainStep allows it where one process trains)
-        loss = output if type(output) is torch.Tensor else step_loss(output)
+        loss = step_loss(output)
         if before_backward is not None:
             before_backward(loss)
         if loss_scale != 1.0:
@@ -270,8 +275,6 @@ class Strategy:
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> Any:
         """Apply the gradients (a parameter server pushes them instead); `closure` is for an optimizer that
         evaluates the loss itself (LBFGS). Returns what the optimizer's step returns."""
-        if self.precision.scaler is None and closure is None:  # the per-step path: nothing to go through
-            return optimizer.step()
         return self.precision.step(optimizer, closure)
 
     # ------------------------------------------------------------------ data
