@@ -1,7 +1,9 @@
 """Per-step overhead of Trainer (on its defaults) against a hand-written PyTorch loop doing the same work.
 
-Both sides train the same MLP on the same in-memory tensors through a DataLoader(shuffle=True) for the
-same number of optimizer steps, save a checkpoint at every epoch end (written to a temporary file,
+Both sides train the same MLP (one module class, as in Lightning's own parity benchmark: the hand-written
+loop calls it as the plain nn.Module it is, the Trainer through its training_step, so both run the same
+forward code, attribute lookups included) on the same in-memory tensors through a DataLoader(shuffle=True)
+for the same number of optimizer steps, save a checkpoint at every epoch end (written to a temporary file,
 fsynced and renamed, the guarantee our checkpoint format gives) and record the loss every 50 steps
 (the hand loop into a CSV file, with `.item()`). The Trainer runs on its defaults: rich progress bar,
 model summary, ModelCheckpoint, CSV logger, and the module calls `self.log("loss", loss, prog_bar=True)`
@@ -27,10 +29,12 @@ hit both; the medians over runs are compared, and so are the two runs of each re
 their ratios).
 
 Interleaved blocks (the steady figure): on a shared machine the speed drifts by tens of percent within
-a second, so runs a second apart are not comparable. So a last measurement interleaves in blocks: a
-callback runs `--block` hand-written steps (its own model copy, loader and optimizer) after every
-`--block` Trainer steps. Within a block each side runs in its own steady state, with its own code and
-data in the caches; the first step after a switch is left out on both sides. The medians of the two
+a second, so runs a second apart are not comparable. So a last measurement interleaves in blocks: the
+module's training_step, where it takes its timestamp, runs `--block` hand-written steps (their own model
+copy, loader and optimizer) after every `--block` Trainer steps; no callback of the benchmark's runs per
+step, so the Trainer's side takes its default per-step path. Within a block each side runs in its own
+steady state, with its own code and data in the caches; the first step after a switch is left out on
+both sides. The medians of the two
 sides' steps give the steady ratio, and adding each side's epoch boundary (from the separate runs) gives
 the per-step ratio that the target is about. The method has a bias of its own, so it is also run with a
 hand-written loop in the Trainer's place (an A/A run: the same step on both sides, measured the same
@@ -79,7 +83,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks import Callback
 from trainer import Trainer, TrainModule
 
 FEATURES, HIDDEN, CLASSES, BATCH = 128, 256, 10, 64
@@ -89,13 +92,6 @@ LOG_EVERY = 50
 def build_net() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                          nn.Linear(HIDDEN, CLASSES))
-
-
-def hand_parts(data: TensorDataset) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
-    """A hand-written side's model, optimizer and shuffled loader, seeded like the Trainer's module."""
-    torch.manual_seed(0)
-    net = build_net()
-    return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
 def synthetic_data(samples: int) -> TensorDataset:
@@ -161,9 +157,9 @@ class StepStamps:
 class Stamped(TrainModule):
     """Stamps each step's start (its training_step calls `self.stamps.step`) and the training phase's start and end."""
 
-    def __init__(self) -> None:
+    def __init__(self, stamps: StepStamps | None = None) -> None:
         super().__init__()
-        self.stamps = StepStamps()
+        self.stamps = StepStamps() if stamps is None else stamps
 
     def on_train_start(self) -> None:
         self.stamps.start = now()
@@ -173,24 +169,37 @@ class Stamped(TrainModule):
 
 
 class MLP(Stamped):
-    def __init__(self) -> None:
-        super().__init__()
+    """The model both sides train: the hand-written loop calls it as the nn.Module it is (`model(x)`), the
+    Trainer through training_step (`self(x)`), so the two run the same forward code."""
+
+    def __init__(self, stamps: StepStamps | None = None) -> None:
+        super().__init__(stamps)
         self.net = build_net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
     def training_step(self, batch, batch_idx):
         self.stamps.step(batch_idx)
         x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
+        loss = F.cross_entropy(self(x), y)
         self.log("loss", loss, prog_bar=True)
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def hand_parts(data: TensorDataset) -> tuple[MLP, torch.optim.Optimizer, DataLoader]:
+    """A hand-written side's model, optimizer and shuffled loader, seeded like the Trainer's module."""
+    torch.manual_seed(0)
+    model = MLP()
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
 def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
     begin = time.perf_counter()
-    net, optimizer, loader = hand_parts(data)
+    model, optimizer, loader = hand_parts(data)
     folder.mkdir(parents=True, exist_ok=True)
     steps, stamps = 0, StepStamps()
     with open(folder / "metrics.csv", "w", newline="") as f:
@@ -198,17 +207,17 @@ def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
         writer.writerow(["step", "loss"])
         stamps.start = now()
         for epoch in range(epochs):
-            net.train()
+            model.train()
             for batch_idx, (x, y) in enumerate(loader):
                 stamps.step(batch_idx)
-                loss = F.cross_entropy(net(x), y)
+                loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 steps += 1
                 if steps % LOG_EVERY == 0:
                     writer.writerow([steps, loss.item()])
-            state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
             with open(folder / "last.ckpt.tmp", "wb") as checkpoint:  # atomic and durable, like ours
                 torch.save(state, checkpoint)
                 checkpoint.flush()
@@ -228,22 +237,25 @@ def with_trainer(data: TensorDataset, epochs: int, folder: Path) -> Timing:
     return Timing(stamps.start, stamps.epochs, stamps.end, time.perf_counter() - begin)
 
 
-class InterleavedHandSteps(Callback):
-    """After every `block` Trainer steps, runs and times `block` hand-written steps (see "Interleaved blocks")."""
+class InterleavedHandSteps(StepStamps):
+    """After every `block` Trainer steps, runs and times `block` hand-written steps (see "Interleaved blocks").
+
+    It takes StepStamps' place in a module, whose training_step calls `step` first thing: so the Trainer's
+    side runs its default per-step path, with no callback of ours in it."""
 
     def __init__(self, data: TensorDataset, block: int) -> None:
-        self.net, self.optimizer, self.loader = hand_parts(data)
+        super().__init__()
+        self.model, self.optimizer, self.loader = hand_parts(data)
         self.batches = iter(self.loader)
         self.block, self.count, self.hand_steps = block, 0, 0
         self.hand: list[tuple[float, float]] = []
         self.trainer: list[tuple[float, float]] = []
         self.previous: tuple[float, float] | None = None
 
-    def on_train_epoch_start(self, trainer, module):
-        self.previous = None  # the epoch boundary is not a steady step
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def step(self, batch_idx: int) -> None:
         stamp = now()
+        if batch_idx == 0:
+            self.previous = None  # the epoch boundary is not a steady step
         if self.previous is not None:
             self.trainer.append((stamp[0] - self.previous[0], stamp[1] - self.previous[1]))
         self.previous, self.count = stamp, self.count + 1
@@ -255,7 +267,7 @@ class InterleavedHandSteps(Callback):
                 self.batches = iter(self.loader)
                 batch = next(self.batches)
             x, y = batch
-            loss = F.cross_entropy(self.net(x), y)
+            loss = F.cross_entropy(self.model(x), y)
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -266,7 +278,8 @@ class InterleavedHandSteps(Callback):
             if step > 0 or self.block == 1:  # a block's first step starts after the other side's code
                 self.hand.append((end[0] - stamp[0], end[1] - stamp[1]))
             stamp = end
-        # The Trainer's next step starts after the hand-written code: counted only when pairing single steps.
+        # The Trainer's step that goes on from here runs after the hand-written code: counted only when pairing
+        # single steps.
         self.previous = stamp if self.block == 1 else None
 
     def ratios(self) -> tuple[float, ...]:
@@ -276,26 +289,25 @@ class InterleavedHandSteps(Callback):
 
 def interleaved_blocks(data: TensorDataset, epochs: int, block: int, folder: Path) -> InterleavedHandSteps:
     interleaved = InterleavedHandSteps(data, block)
-    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[interleaved], accelerator="cpu",
-                      log_every_n_steps=LOG_EVERY)
-    trainer.fit(MLP(), DataLoader(data, batch_size=BATCH, shuffle=True))
+    trainer = Trainer(max_epochs=epochs, default_root_dir=str(folder), accelerator="cpu", log_every_n_steps=LOG_EVERY)
+    trainer.fit(MLP(interleaved), DataLoader(data, batch_size=BATCH, shuffle=True))
     return interleaved
 
 
-class HandStepInLoop(TrainModule):
+class HandStepInLoop(MLP):
     """The hand-written step itself, run by the Trainer's loop (manual optimization, its own optimizer, nothing
     logged): what the loop and the run around it cost without the Trainer's step (see `--loop-only`)."""
 
     automatic_optimization = False
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = build_net()
-        self.sgd = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
+    def __init__(self, stamps: StepStamps) -> None:
+        super().__init__(stamps)
+        self.sgd = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     def training_step(self, batch, batch_idx):
+        self.stamps.step(batch_idx)
         x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
+        loss = F.cross_entropy(self(x), y)
         loss.backward()
         self.sgd.step()
         self.sgd.zero_grad(set_to_none=True)
@@ -308,28 +320,27 @@ def interleaved_loop_only(data: TensorDataset, epochs: int, block: int, folder: 
     """The interleaved measurement of HandStepInLoop, with nothing else per step (no bar, logger or checkpoints)."""
     interleaved = InterleavedHandSteps(data, block)
     torch.manual_seed(0)
-    Trainer(max_epochs=epochs, default_root_dir=str(folder), callbacks=[interleaved], accelerator="cpu", logger=False,
-            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-            ).fit(HandStepInLoop(), DataLoader(data, batch_size=BATCH, shuffle=True))
+    Trainer(max_epochs=epochs, default_root_dir=str(folder), accelerator="cpu", logger=False, enable_progress_bar=False,
+            enable_checkpointing=False, enable_model_summary=False,
+            ).fit(HandStepInLoop(interleaved), DataLoader(data, batch_size=BATCH, shuffle=True))
     return interleaved
 
 
 def interleaved_hand_blocks(data: TensorDataset, epochs: int, block: int) -> InterleavedHandSteps:
     """The interleaved measurement with a hand-written loop in the Trainer's place: its ratio is the method's bias."""
     interleaved = InterleavedHandSteps(data, block)
-    net, optimizer, loader = hand_parts(data)
+    model, optimizer, loader = hand_parts(data)
     steps = 0
     for _ in range(epochs):
-        interleaved.on_train_epoch_start(None, None)
         for batch_idx, (x, y) in enumerate(loader):
-            loss = F.cross_entropy(net(x), y)
+            interleaved.step(batch_idx)
+            loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps += 1
             if steps % LOG_EVERY == 0:
                 loss.item()
-            interleaved.on_train_batch_end(None, None, loss, (x, y), batch_idx)
     return interleaved
 
 
@@ -338,9 +349,12 @@ class NoOp(Stamped):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(()))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x.sum()
+
     def training_step(self, batch, batch_idx):
         self.stamps.step(batch_idx)
-        loss = self.weight * batch[0].sum()
+        loss = self(batch[0])
         self.log("loss", loss, prog_bar=True)
         return loss
 
@@ -352,12 +366,12 @@ def framework_floor(runs: int, steps: int, folder: Path) -> None:
     data = TensorDataset(torch.ones(steps, 1))
     hand, ours = [], []
     for run in range(runs):
-        weight = nn.Parameter(torch.zeros(()))
-        optimizer = torch.optim.SGD([weight], lr=0.0)
+        model = NoOp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         stamps = StepStamps()
         for batch_idx, (x,) in enumerate(DataLoader(data, batch_size=1, shuffle=True)):
             stamps.step(batch_idx)
-            loss = weight * x.sum()
+            loss = model(x)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

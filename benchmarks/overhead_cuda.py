@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from overhead import BATCH, MLP, build_net, synthetic_data
+from overhead import BATCH, MLP, synthetic_data
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback
@@ -28,14 +28,14 @@ from trainer import Trainer
 
 def hand_written(data: TensorDataset, steps: int) -> float:
     torch.manual_seed(0)
-    net = build_net().cuda()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    model = MLP().cuda()  # the Trainer's module class, called as a plain nn.Module (see overhead.py)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, pin_memory=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for x, y in loader:
         x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)
-        loss = F.cross_entropy(net(x), y)
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
