@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import socket
+import time
 from typing import Any
 
 import torch
@@ -14,6 +15,11 @@ from trainer.environment import ClusterEnvironment
 from trainer.errors import MisconfigurationError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# A gloo worker thread frees a finished collective's tensors only once it holds the GIL. One still waiting for it
+# when the interpreter finalizes is stopped inside that destructor, which aborts the process (SIGABRT, "terminate
+# called without an active exception") after all its work is done, and torchrun then reports the job as failed.
+# Leaving the group lets go of the GIL this long first (seen with a collective in the last milliseconds before exit).
+GIL_HANDOFF_S = 0.02
 
 
 def default_backend(device_type: str) -> str:
@@ -93,6 +99,7 @@ def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta) -> d
 def destroy_process_group() -> None:
     """Leave the job; safe to call twice."""
     if dist.is_available() and dist.is_initialized():
+        time.sleep(GIL_HANDOFF_S)
         dist.destroy_process_group()
 
 
