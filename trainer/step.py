@@ -53,9 +53,6 @@ class TrainStep:
         self.module_optimizer_step = overridden(trainer.module, "optimizer_step", TrainModule)
         self.module_zero_grad = overridden(trainer.module, "optimizer_zero_grad", TrainModule)
         self.module_clipping = overridden(trainer.module, "configure_gradient_clipping", TrainModule)
-        self.hooked_before_step = (self.on_before_optimizer_step is not None or self.module_clipping is not None
-                                   or self.clip_value is not None)
-        self.hooked_zero_grad = self.on_before_zero_grad is not None or self.module_zero_grad is not None
         # Optimizers whose step gets a closure (optim.takes_closure); one that needs it (LBFGS) is the only one.
         self.closure_optimizers = [self.automatic and takes_closure(optimizer) for optimizer in self.optimizers]
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
@@ -136,7 +133,7 @@ class TrainStep:
                 if gets_closure:  # on_before_optimizer_step and clipping run after each of its evaluations
                     step_closure = StepClosure(self, optimizer, batch, batch_idx, outputs)
                     closure = HookedClosure(step_closure, self._before_optimizer_step, optimizer)
-                elif self.hooked_before_step:
+                else:
                     self._before_optimizer_step(optimizer)
                 if warming_up:
                     self.lr_scaler.step(optimizer, progress.global_step, strategy.optimizer_step, closure)
@@ -144,10 +141,7 @@ class TrainStep:
                     strategy.optimizer_step(optimizer, closure)
                 if step_closure is not None:
                     outputs = step_closure.outputs
-            if self.hooked_zero_grad:
-                self._zero_grad(optimizer, batch_idx)
-            else:
-                optimizer.zero_grad(set_to_none=True)
+            self._zero_grad(optimizer, batch_idx)
         progress.global_step += 1
         progress.batches_stepped += 1
         for scheduler in self.step_schedulers:
