@@ -683,3 +683,33 @@ def test_hparams_that_are_not_plain_warn_once_and_must_be_passed_again(tmp_path)
     del checkpoint["hparams_repr"]
     torch.save(checkpoint, tmp_path / "old.ckpt")
     assert dict(DropoutRegressor.load_from_checkpoint(tmp_path / "old.ckpt").hparams) == {"hidden": 12, "lr": 0.02}
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_files_are_fsynced_before_their_rename_and_the_folder_once_as_the_fit_ends(tmp_path, monkeypatch, crash):
+    """Each file's data is on disk before a name points at it (a hard link shares its inode); the folder, which
+    makes the names durable, is synced once, last, also when the fit crashes."""
+    synced: list[tuple[str, int]] = []  # (path, inode) of each fsync, in order
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        assert os.stat(src).st_ino in {inode for _, inode in synced}, f"{src} renamed before its data was fsynced"
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    callbacks = [SaveAt(tmp_path / "unused.ckpt", crash_at_step=11)] if crash else []
+    try:
+        fit(tmp_path, callbacks, max_epochs=3, enable_checkpointing=True)
+    except RuntimeError:
+        assert crash
+    folder = tmp_path / "default/version_0/checkpoints"
+    epochs = 2 if crash else 3  # 5 steps an epoch: the crash comes in the third
+    assert sorted(p.name for p in folder.iterdir()) == [f"epoch={epochs - 1}-step={5 * epochs}.ckpt", "last.ckpt"]
+    folder_syncs = [i for i, (path, _) in enumerate(synced) if path == str(folder)]
+    last_file_sync = max(i for i, (path, _) in enumerate(synced) if path.startswith(str(folder) + "/"))
+    assert len(folder_syncs) == 1 and folder_syncs[0] > last_file_sync

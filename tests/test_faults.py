@@ -187,6 +187,30 @@ def test_sigterm_or_ctrl_c_saves_a_checkpoint_exits_and_the_next_start_resumes(s
     assert metrics_rows(tmp_path) == single_run[1]
 
 
+
+def test_the_sigterm_checkpoints_name_is_made_durable_before_the_process_exits(tmp_path, monkeypatch):
+    """A preempted machine may be switched off right after the exit, before the filesystem's next commit."""
+    events = []
+    real_save = Trainer.save_checkpoint
+
+    def save_checkpoint(self, path, weights_only=False):
+        real_save(self, path, weights_only)
+        events.append(("saved", Path(path)))
+
+    class SignalAtStep3(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(faults, "sync_folder", lambda folder: events.append(("synced", Path(folder))))
+    with pytest.raises(faults.Terminated):
+        fit(tmp_path, "single", [SignalAtStep3()])
+    last = run_folder(tmp_path) / "checkpoints" / "last.ckpt"
+    assert events[-2:] == [("saved", last), ("synced", last.parent)]  # before it, the epoch-end checkpoint
+    assert saved_step(last) == 4  # the step boundary after the signal
+
+
 # --------------------------------------------------------------------------- non-finite losses
 
 POISONED = 13  # this sample's input is NaN, so the loss of whichever batch holds it is NaN
