@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import io
 import re
 import types
 import typing
@@ -147,7 +148,8 @@ def read_recipe_file(path_text: str) -> DictConfig:
         siblings = [str(p) for p in (path.parent if path.parent.is_dir() else Path(".")).glob("*.y*ml")]
         raise MisconfigurationError(f"recipe file {path_text!r} not found{closest(path_text, siblings)}.")
     try:
-        loaded = OmegaConf.load(path)
+        source = path.read_text(encoding="utf-8")  # read once: both parses below see the same text
+        loaded = OmegaConf.load(io.StringIO(source))
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
@@ -161,7 +163,7 @@ def read_recipe_file(path_text: str) -> DictConfig:
     if not isinstance(loaded, DictConfig):
         raise MisconfigurationError(f"{path_text}: a recipe is a mapping with keys {', '.join(TOP_LEVEL_KEYS)}; "
                                     f"this file holds a {type(loaded).__name__}.")
-    for keys, text in _base_60_scalars(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)):
+    for keys, text in _base_60_scalars(yaml.compose(source, Loader=yaml.SafeLoader)):
         parent: Any = loaded
         for key in keys[:-1]:
             parent = parent.get(key) if isinstance(parent, DictConfig) else parent[key] if isinstance(parent, ListConfig) else None
