@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.base import Callback
-from trainer.checkpoint import sync_folder
 from trainer.config import parse_duration
 from trainer.errors import MisconfigurationError
 
@@ -94,7 +93,6 @@ class ModelCheckpoint(Callback):
         self._validation_ran = False
         self._validated_step = -1
         self._warned_missing = False
-        self._unsynced_folders: set[Path] = set()  # rank 0: folders with renames not yet made durable
 
     @property
     def state_key(self) -> str:
@@ -114,13 +112,6 @@ class ModelCheckpoint(Callback):
         settings = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps,
                     "every_n_epochs": self.every_n_epochs, **more}
         return f"{type(self).__qualname__}{settings!r}"
-
-    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        # Each file was fsynced before its rename; the renames themselves are made durable once, here, rather
-        # than with a journal commit per file (see trainer.checkpoint.save_checkpoint_file).
-        for folder in self._unsynced_folders:
-            sync_folder(folder)
-        self._unsynced_folders.clear()
 
     # ------------------------------------------------------------------ when to save
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
@@ -206,8 +197,6 @@ class ModelCheckpoint(Callback):
                 trainer.save_checkpoint(self.last_model_path, weights_only=self.save_weights_only)
             if previous_last and previous_last != self.last_model_path:
                 trainer.strategy.remove_checkpoint(previous_last)
-        if trainer.is_global_zero:
-            self._unsynced_folders.update(Path(p).parent for p in (written, self.last_model_path if self.save_last else None) if p)
         if missing is not None:  # raised once the run's state is in last.ckpt (with save_last): no work is lost
             saved = f" The run so far is saved in {self.last_model_path}." if self.save_last else ""
             raise MisconfigurationError(missing + saved)

@@ -32,6 +32,7 @@ from trainer.checkpoint import load_checkpoint_file
 from trainer.data import prepare_loader
 from trainer.errors import CheckpointError
 from trainer.faults import SIGINT_EXIT_CODE, SIGTERM_EXIT_CODE, CollectiveTimeoutError, NonFiniteLossError
+from trainer.strategies import base as strategies_base
 
 SCRIPT = Path(fault_script.__file__)
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
@@ -189,7 +190,8 @@ def test_sigterm_or_ctrl_c_saves_a_checkpoint_exits_and_the_next_start_resumes(s
 
 
 def test_the_sigterm_checkpoints_name_is_made_durable_before_the_process_exits(tmp_path, monkeypatch):
-    """A preempted machine may be switched off right after the exit, before the filesystem's next commit."""
+    """A preempted machine may be switched off right after the exit, before the filesystem's next commit: the
+    stage's end (which the stop goes through) syncs the folder before fit raises."""
     events = []
     real_save = Trainer.save_checkpoint
 
@@ -203,7 +205,7 @@ def test_the_sigterm_checkpoints_name_is_made_durable_before_the_process_exits(t
                 os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(Trainer, "save_checkpoint", save_checkpoint)
-    monkeypatch.setattr(faults, "sync_folder", lambda folder: events.append(("synced", Path(folder))))
+    monkeypatch.setattr(strategies_base, "sync_folder", lambda folder: events.append(("synced", Path(folder))))
     with pytest.raises(faults.Terminated):
         fit(tmp_path, "single", [SignalAtStep3()])
     last = run_folder(tmp_path) / "checkpoints" / "last.ckpt"

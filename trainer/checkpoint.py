@@ -49,7 +49,7 @@ def save_checkpoint_file(checkpoint: Any, path: str | Path) -> Path:
     """torch.save `checkpoint` to `path` so that a crash at any moment, a power loss included, leaves the
     previous file intact: written to a temporary file, fsynced, then renamed over `path`.
 
-    The folder is not synced after each rename (sync_folder does it, and ModelCheckpoint calls it as its stage
+    The folder is not synced after each rename (sync_folder does it; the strategy calls it once as its stage
     ends): that costs a journal commit per file, the largest part of an epoch-end checkpoint of a small model,
     and guards only the newest file's name; a power loss before the next commit leaves the previous name and
     file, whole."""

@@ -69,8 +69,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoint import sync_folder
-
 if TYPE_CHECKING:
     from trainer.strategies import Strategy
     from trainer.trainer import Trainer
@@ -258,8 +256,6 @@ class StepGuard:
         trainer, progress = self.trainer, self.trainer.progress
         path = _last_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
-        if trainer.is_global_zero:
-            sync_folder(path.parent)  # its name made durable now: a preempted machine may be switched off next
         code = SIGINT_EXIT_CODE if self.received == signal.SIGINT else SIGTERM_EXIT_CODE
         if trainer.is_global_zero:
             print(f"trainer: {self.received.name}: saved {path} at global step {progress.global_step} (epoch "

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer.checkpoint import link_checkpoint_file, load_checkpoint_file, save_checkpoint_file
+from trainer.checkpoint import link_checkpoint_file, load_checkpoint_file, save_checkpoint_file, sync_folder
 from trainer.data import prepare_loader
 from trainer.environment import ClusterEnvironment, detect_environment
 from trainer.errors import MisconfigurationError
@@ -114,6 +114,7 @@ class Strategy:
         self.model: nn.Module | None = None  # what the steps run through (a wrapper or the module)
         self._bound_training_step: Callable[[Any, int], Any] | None = None  # see setup_module
         self._plain_backward = False
+        self._unsynced_folders: set[Path] = set()  # rank 0: folders holding renames not yet made durable
 
     # ------------------------------------------------------------------ the world
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
@@ -160,7 +161,11 @@ class Strategy:
         model into it, so that the script that called fit holds it (a collective where it does anything)."""
 
     def teardown(self) -> None:
-        """Release wrappers and the process group; must leave no thread or group behind."""
+        """Release wrappers and the process group; must leave no thread or group behind. Makes the stage's
+        checkpoint names durable first (on every way out, a SIGTERM stop or a crash included)."""
+        for folder in self._unsynced_folders:  # once per stage, not per file: see checkpoint.save_checkpoint_file
+            sync_folder(folder)
+        self._unsynced_folders.clear()
         self.model = self.module
 
     @property
@@ -349,13 +354,13 @@ class Strategy:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
         """Rank 0 writes, atomically; everyone waits so no rank reads a half-written file."""
         if self.is_global_zero:
-            save_checkpoint_file(checkpoint, path)
+            self._unsynced_folders.add(save_checkpoint_file(checkpoint, path).parent)
         self.barrier("save_checkpoint")
 
     def link_checkpoint(self, source: str | Path, path: str | Path) -> None:
         """Give the checkpoint just saved at `source` the name `path` too (atomically), behind the same barrier."""
         if self.is_global_zero:
-            link_checkpoint_file(source, path)
+            self._unsynced_folders.add(link_checkpoint_file(source, path).parent)
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
