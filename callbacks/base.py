@@ -63,6 +63,19 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
 
+    @property
+    def step_collective(self) -> str | None:
+        """The setting that makes this callback run a collective at chosen optimizer steps, as the user wrote
+        it (for an error message), or None. A strategy whose processes step at their own pace refuses such a
+        callback. By default: an `every_n_train_steps` or `train_time_interval` setting (ModelCheckpoint's)."""
+        every_n = getattr(self, "every_n_train_steps", 0)
+        if every_n:
+            return f"{type(self).__name__}(every_n_train_steps={every_n})"
+        interval = getattr(self, "train_time_interval", None)
+        if interval is not None:
+            return f"{type(self).__name__}(train_time_interval={interval}s)"
+        return None
+
     def uses_hook(self, hook: str) -> bool:
         """Whether this instance needs `hook`, which its class overrides. Asked once per run: a callback whose
         settings leave a per-step hook with nothing to do answers False, and the step does not call it."""

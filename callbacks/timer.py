@@ -34,6 +34,11 @@ class Timer(Callback):
         self._offset = 0.0  # training seconds spent before a resume
         self._announced = False
 
+    @property
+    def step_collective(self) -> str | None:
+        """Checking a budget after every step asks rank 0's clock (a broadcast) each step."""
+        return "Timer(interval='step')" if self.duration is not None and self.interval == "step" else None
+
     def start_time(self, stage: str = "train") -> float | None:
         """When `stage` last started (time.monotonic), or None."""
         return self._start.get(stage)

@@ -1,8 +1,8 @@
 """The Strategy contract: everything about devices and processes, so the loop never asks which one runs.
 
-Single-process strategies implement the collectives as honest no-ops (`barrier` does nothing,
-`broadcast` returns its argument), so the loop has no branches on the strategy. A new strategy is one
-file that subclasses Strategy plus one line in strategies/__init__.py.
+Single-process strategies keep the collectives' honest no-ops (`barrier` does nothing, `broadcast`
+returns its argument), so the loop has no branches on the strategy. Strategy's docstring says what a
+new strategy implements and in which order the Trainer calls it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -90,10 +91,30 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     return batch
 
 
-class Strategy:
-    """Where the work runs: the process world, the wrapped model, loaders, collectives, checkpoint IO."""
+class Strategy(ABC):
+    """Where the work runs: the process world, the wrapped model, loaders, collectives, checkpoint IO.
 
-    #: The registry name (`Trainer(strategy=name)`).
+    A new strategy is one file: a subclass of Strategy (or of ProcessGroupStrategy in process_group.py, for
+    one process per device joined in a torch process group) plus one line in strategies/__init__.py.
+
+    Required: the class attribute `name` (the registry name) and the two abstract methods, `configure` (check
+    the Trainer's resource options; call super() first) and `processes_per_node`. Every other member has a
+    default that is right for one process on one device (collectives are no-ops, `no_backward_sync` is a
+    nullcontext, checkpoints are written by rank 0): override only what differs, each override marked with
+    `typing_extensions.override`, and call super() where the default does part of the work.
+
+    The Trainer calls them in this order (members set by the Trainer: `timeout`, `keeps_process_group`):
+        setup           configure (in Trainer(...)), check_config, check_module, detect_environment,
+                        setup_environment (join the job, pick the device), serve, setup_module, setup_optimizers
+        loaders         prepare_loader; then batch_to_device for every batch
+        steps           training_step or forward_backward (under no_backward_sync while gradients accumulate),
+                        backward, clip_gradients, optimizer_step; eval_step; collectives wherever the run needs them
+        checkpoint IO   model_state_dict, optimizer_state_dict, save_checkpoint, link_checkpoint,
+                        remove_checkpoint; load_checkpoint, load_model_state_dict, load_optimizer_state_dict
+        teardown        gather_module (after fit), then teardown on every way out (call super() last)
+    """
+
+    #: The registry name (`Trainer(strategy=name)`). Required.
     name: ClassVar[str] = ""
     #: Every rank takes each optimizer step together (ddp, pipeline), so a per-step collective is safe; False
     #: for workers that run at their own pace (ps), which then settle SIGTERM and NaN losses each on its own.
@@ -116,21 +137,25 @@ class Strategy:
         self._plain_backward = False
         self._unsynced_folders: set[Path] = set()  # rank 0: folders holding renames not yet made durable
 
-    # ------------------------------------------------------------------ the world
+    # ------------------------------------------------------------------ required
+    @abstractmethod
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
-        """Take the Trainer's resource options; validate them before any process starts."""
+        """Take the Trainer's resource options; validate them before any process starts. Overrides call this
+        first, then refuse what their strategy cannot run."""
         self.accelerator = resolve_accelerator(accelerator)
         if devices < 1 or num_nodes < 1:
             raise MisconfigurationError(f"devices={devices} and num_nodes={num_nodes} must both be at least 1.")
         self.devices, self.num_nodes = devices, num_nodes
         self.precision = Precision(precision, self.accelerator)
 
+    @abstractmethod
     def processes_per_node(self) -> int:
         """How many processes each node runs; more than one job-wide means the launcher must start them."""
-        return 1
 
+    # ------------------------------------------------------------------ the world (defaults: one process)
     @property
     def job_size(self) -> int:
+        """Processes in the whole job."""
         return self.processes_per_node() * self.num_nodes
 
     def detect_environment(self) -> ClusterEnvironment:
@@ -146,20 +171,6 @@ class Strategy:
         else:
             self.root_device = torch.device("cpu")
 
-    def serve(self) -> bool:
-        """Run this rank's part when it is not the loop (a parameter server answering the workers) until the
-        job ends; True when it did, and the Trainer then skips the stage on this rank."""
-        return False
-
-    @property
-    def reporting_rank(self) -> int:
-        """The global rank whose console output the launcher shows and whose final state the caller adopts."""
-        return 0
-
-    def gather_module(self) -> None:
-        """After fit, on a rank whose module was trained only in part (a pipeline stage): load the whole trained
-        model into it, so that the script that called fit holds it (a collective where it does anything)."""
-
     def teardown(self) -> None:
         """Release wrappers and the process group; must leave no thread or group behind. Makes the stage's
         checkpoint names durable first (on every way out, a SIGTERM stop or a crash included)."""
@@ -170,18 +181,22 @@ class Strategy:
 
     @property
     def global_rank(self) -> int:
+        """This process's rank in the loop's world."""
         return self.environment.global_rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node."""
         return self.environment.local_rank
 
     @property
     def world_size(self) -> int:
+        """How many processes run the loop."""
         return self.environment.world_size
 
     @property
     def is_global_zero(self) -> bool:
+        """This process logs, prints and writes checkpoints."""
         return self.global_rank == 0
 
     @property
@@ -191,12 +206,14 @@ class Strategy:
 
     @property
     def data_parallel_rank(self) -> int:
+        """This process's replica among the data_parallel_size."""
         return self.global_rank
 
+    # ------------------------------------------------------------------ optional abilities (defaults: none)
     def check_config(self, config: TrainerConfig, callbacks: list[Any]) -> None:
         """Refuse, when the Trainer is built, options (and callbacks) this strategy cannot run with."""
+        return None  # the default runs with every option and callback
 
-    # ------------------------------------------------------------------ the model
     def check_module(self, module: TrainModule, stage: str) -> None:
         """Refuse, before any process starts, a module this strategy cannot run `stage` ("fit", ...) with."""
         from trainer.module import TrainModule  # here: trainer.module imports the strategies' package
@@ -206,6 +223,26 @@ class Strategy:
             raise MisconfigurationError(f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); "
                                         "it has none.")
 
+    def serve(self) -> bool:
+        """Run this rank's part when it is not the loop (a parameter server answering the workers) until the
+        job ends; True when it did, and the Trainer then skips the stage on this rank."""
+        return False
+
+    @property
+    def reporting_rank(self) -> int:
+        """The global rank whose console output the launcher shows and whose final state the caller adopts."""
+        return 0
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        """A hook for strategies that own the optimizer (a parameter server); returns the optimizers to use."""
+        return optimizers
+
+    def gather_module(self) -> None:
+        """After fit, on a rank whose module was trained only in part (a pipeline stage): load the whole trained
+        model into it, so that the script that called fit holds it (a collective where it does anything)."""
+        return None  # the default trains the whole module on every rank
+
+    # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
         from trainer.module import TrainModule, overridden
@@ -219,10 +256,7 @@ class Strategy:
         self._plain_backward = (self.world_size == 1 and type(self).backward is Strategy.backward
                                 and self.precision.scaler is None and overridden(module, "backward", TrainModule) is None)
 
-    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-        """A hook for strategies that own the optimizer (a parameter server); returns the optimizers to use."""
-        return optimizers
-
+    # ------------------------------------------------------------------ the steps (the per-step path)
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Run the user's training_step under autocast (through the wrapper, if any)."""
         step = self._bound_training_step or bound_step(self.module, "training_step")
@@ -297,7 +331,7 @@ class Strategy:
             return batch
         return move_to_device(batch, self.root_device, non_blocking=self.root_device.type == "cuda")
 
-    # ------------------------------------------------------------------ collectives (no-ops on one process)
+    # ------------------------------------------------------------------ collectives (honest no-ops on one process)
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce across all ranks with 'mean', 'sum', 'max' or 'min'."""
         return tensor
@@ -312,6 +346,7 @@ class Strategy:
 
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank."""
+        return None  # one process: nobody to wait for
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """`obj` from rank `src`, on every rank."""
@@ -342,13 +377,16 @@ class Strategy:
         return dict(self.module.state_dict())
 
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load what model_state_dict returned (from any strategy) into the module."""
         assert self.module is not None
         self.module.load_state_dict(state_dict, strict=strict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state in the layout of one device (gathered when it is split)."""
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load what optimizer_state_dict returned (from any strategy) into `optimizer`."""
         optimizer.load_state_dict(state)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
@@ -368,6 +406,7 @@ class Strategy:
         return load_checkpoint_file(path, map_location=self.root_device)
 
     def remove_checkpoint(self, path: str | Path) -> None:
+        """Delete a checkpoint file (rank 0)."""
         if self.is_global_zero:
             Path(path).unlink(missing_ok=True)
 

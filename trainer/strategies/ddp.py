@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
-from trainer.environment import ClusterEnvironment, resolve_environment
+from trainer.environment import ClusterEnvironment
 from trainer.errors import MisconfigurationError
-from trainer.strategies import distributed
-from trainer.strategies.base import StepDispatcher, Strategy
+from trainer.strategies.base import StepDispatcher
+from trainer.strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -42,7 +43,7 @@ COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(ProcessGroupStrategy):
     """`Trainer(strategy="ddp", devices=N, num_nodes=M)`: N processes per node, one device each.
 
     backend: 'gloo' on CPU and 'nccl' on CUDA unless given. find_unused_parameters, static_graph and
@@ -62,23 +63,20 @@ class DDPStrategy(Strategy):
         comm_hook: str | None = None,
         environment: str | ClusterEnvironment | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(backend, environment)
         if backend is not None and backend not in BACKENDS:
             raise MisconfigurationError(f"DDPStrategy(backend={backend!r}) is not known; use one of {', '.join(BACKENDS)} or leave it unset.")
         if comm_hook is not None and comm_hook not in COMM_HOOKS:
             raise MisconfigurationError(f"DDPStrategy(comm_hook={comm_hook!r}) is not known; use None, 'fp16' or 'bf16'.")
-        self.backend = backend
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.comm_hook = comm_hook
-        self.environment_choice = environment
-        self._owns_group = False
 
     # ------------------------------------------------------------------ the world
+    @override
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
         super().configure(accelerator, devices, num_nodes, precision)
-        self.backend = distributed.resolve_backend(self.backend, self.accelerator, "DDPStrategy")
         # Checked only when the Trainer will start the processes: a launcher may give each process its own
         # GPU (srun --gpus-per-task=1), and each then sees one device.
         if self.accelerator == "cuda" and devices > torch.cuda.device_count() and not self.detect_environment().launched:
@@ -87,43 +85,7 @@ class DDPStrategy(Strategy):
                 f"use devices={torch.cuda.device_count()} or fewer (devices counts per node)."
             )
 
-    def processes_per_node(self) -> int:
-        return self.devices
-
-    def detect_environment(self) -> ClusterEnvironment:
-        return resolve_environment(self.environment_choice)
-
-    def setup_environment(self, environment: ClusterEnvironment) -> None:
-        """Check the launch matches devices * num_nodes, pin this rank's device, join the process group."""
-        expected = self.devices * self.num_nodes
-        if environment.world_size != expected:
-            raise MisconfigurationError(
-                f"{environment.name} started {environment.world_size} process(es), but Trainer(devices={self.devices}, "
-                f"num_nodes={self.num_nodes}) expects {expected}; make them match (processes per node = devices)."
-            )
-        if self.accelerator == "cuda":
-            self._pin_cuda_device(environment)
-        else:
-            super().setup_environment(environment)
-        # A group the user's script created itself is theirs to destroy.
-        self._owns_group = not torch.distributed.is_initialized()
-        distributed.init_process_group(environment, self.backend, self.timeout)
-
-    def _pin_cuda_device(self, environment: ClusterEnvironment) -> None:
-        """cuda:<local rank>, or cuda:0 when the launcher made a single GPU visible to each process."""
-        visible = torch.cuda.device_count()
-        if environment.local_rank < visible:
-            index = environment.local_rank
-        elif visible == 1:
-            index = 0
-        else:
-            raise MisconfigurationError(
-                f"local rank {environment.local_rank} has no CUDA device (this process sees {visible}); "
-                "start at most one process per GPU on each node."
-            )
-        self.environment, self.root_device = environment, torch.device("cuda", index)
-        torch.cuda.set_device(self.root_device)
-
+    @override
     def teardown(self) -> None:
         """Release the DDP wrapper, then the process group; the order matters (see below)."""
         # DDP's reducer holds the process group and its communication state. Destroying the group while
@@ -133,11 +95,10 @@ class DDPStrategy(Strategy):
         self.model = self.module
         if wrapper is not None and wrapper() is not None:
             gc.collect()
-        if self._owns_group:
-            distributed.leave_process_group(keep=self.keeps_process_group)
         super().teardown()
 
     # ------------------------------------------------------------------ the model
+    @override
     def setup_module(self, module: TrainModule) -> None:
         """Wrap the module so training_step runs through DDP's forward (its gradient-sync hooks fire)."""
         super().setup_module(module)
@@ -152,36 +113,15 @@ class DDPStrategy(Strategy):
         if self.comm_hook is not None:
             self.model.register_comm_hook(state=None, hook=COMM_HOOKS[self.comm_hook])
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if not isinstance(self.model, DistributedDataParallel):
             return super().training_step(batch, batch_idx)
         with self.precision.autocast():
             return self.model("training_step", batch, batch_idx)
 
+    @override
     def no_backward_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ collectives
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        device = distributed.collective_device(self.backend, self.root_device)
-        return distributed.all_reduce(tensor.to(device), op).to(tensor.device)
-
-    def max_across_ranks_async(self, values: list[float]) -> Any:
-        return distributed.max_across_ranks_async(values, distributed.collective_device(self.backend, self.root_device))
-
-    def max_across_ranks_result(self, pending: Any) -> list[float]:
-        return distributed.max_across_ranks_result(pending)
-
-    def barrier(self, name: str | None = None) -> None:
-        distributed.barrier(self.backend, self.root_device)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return distributed.broadcast_object(obj, src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return distributed.all_gather_object(obj)
-
-    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
-        return distributed.all_gather_tensor(tensor, distributed.collective_device(self.backend, self.root_device), sync_grads)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from trainer.errors import MisconfigurationError
 from trainer.strategies.base import StepDispatcher, Strategy
@@ -46,6 +47,7 @@ def _mean_over_replicas(value: Any) -> Any:
 class ReplicaSteps(StepDispatcher):
     """A StepDispatcher whose scalar outputs gather cleanly across replicas."""
 
+    @override
     def forward(self, step_name: str, *args: Any) -> Any:
         return _as_vector(super().forward(step_name, *args))
 
@@ -59,6 +61,7 @@ class DataParallelStrategy(Strategy):
         super().__init__()
         self.device_ids: list[int] = []
 
+    @override
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
         super().configure(accelerator, devices, num_nodes, precision)
         if num_nodes != 1:
@@ -76,15 +79,21 @@ class DataParallelStrategy(Strategy):
                 f"devices={devices}); running on a single device instead.", UserWarning, stacklevel=3,  # the Trainer(...) line
             )
 
+    @override
+    def processes_per_node(self) -> int:
+        return 1  # one process drives every device of the node
+
     @property
     def parallel(self) -> bool:
         return len(self.device_ids) >= 2
 
+    @override
     def setup_module(self, module: TrainModule) -> None:
         super().setup_module(module)
         if self.parallel:
             self.model = nn.DataParallel(ReplicaSteps(module), device_ids=self.device_ids, output_device=self.device_ids[0])
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if not self.parallel:
             return super().training_step(batch, batch_idx)

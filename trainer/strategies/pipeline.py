@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from trainer.environment import ClusterEnvironment
 from trainer.errors import MisconfigurationError
@@ -51,7 +52,7 @@ from trainer.logging import _batch_value as batch_value
 from trainer.module import TrainModule
 from trainer.optim import needs_closure
 from trainer.strategies import distributed
-from trainer.strategies.base import Strategy, move_to_device
+from trainer.strategies.base import move_to_device
 from trainer.strategies.pipeline_split import (
     build_stage_modules,
     check_schedule,
@@ -64,6 +65,7 @@ from trainer.strategies.pipeline_split import (
     stage_placement,
     v_style,
 )
+from trainer.strategies.process_group import ProcessGroupStrategy
 
 
 class LogRecorder:
@@ -87,7 +89,7 @@ class LogRecorder:
         return getattr(self.collector, name)
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(ProcessGroupStrategy):
     """`Trainer(strategy="pipeline", devices=4)` or `PipelineStrategy(stages=2, microbatches=8, schedule="gpipe")`.
 
     stages: pipeline depth (processes per replica); default: every device, one replica.
@@ -102,7 +104,7 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, stages: int | None = None, microbatches: int = 4, schedule: str = "1f1b",
                  split_points: list[str] | None = None, stages_per_rank: int = 1, backend: str | None = None) -> None:
-        super().__init__()
+        super().__init__(backend)
         for label, value in (("microbatches", microbatches), ("stages_per_rank", stages_per_rank), ("stages", stages)):
             if (value is not None or label != "stages") and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise MisconfigurationError(f"pipeline {label}={value!r} must be a positive integer.")
@@ -113,8 +115,6 @@ class PipelineStrategy(Strategy):
         self.split_points = list(split_points) if split_points else None
         if backend is not None and backend not in ("gloo", "nccl", "mpi"):
             raise MisconfigurationError(f"pipeline backend={backend!r} is not known; use 'gloo', 'nccl', 'mpi' or leave it unset.")
-        self.backend = backend
-        self._owns_group = False
         self.stages = 1
         self._sync_gradients = True
         self._schedules: dict[Any, Any] = {}
@@ -125,6 +125,7 @@ class PipelineStrategy(Strategy):
         self._dp_group: Any = None
 
     # ------------------------------------------------------------------ the world
+    @override
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
         super().configure(accelerator, devices, num_nodes, precision)
         if self.precision.scaler is not None:
@@ -151,7 +152,6 @@ class PipelineStrategy(Strategy):
                 f"stages_per_rank={self.stages_per_rank} = {self.num_chunks}; give {self.num_chunks - 1} split points."
             )
         check_schedule(self.schedule_name, self.schedule_class, self.microbatches, self.stages, self.stages_per_rank)
-        self.backend = distributed.resolve_backend(self.backend, self.accelerator, "PipelineStrategy")
 
     @property
     def num_chunks(self) -> int:
@@ -162,25 +162,17 @@ class PipelineStrategy(Strategy):
     def replicas(self) -> int:
         return max(1, self.devices * self.num_nodes // self.stages)
 
-    def processes_per_node(self) -> int:
-        return self.devices
-
+    @override
     def setup_environment(self, environment: ClusterEnvironment) -> None:
         """Join the job, then lay its ranks out as a (replicas, stages) mesh: rank r is stage r % stages."""
-        if environment.world_size != self.job_size:
-            raise MisconfigurationError(
-                f"{environment.name} started {environment.world_size} process(es), but strategy='pipeline' with "
-                f"devices={self.devices}, num_nodes={self.num_nodes} expects {self.job_size}; make them match."
-            )
         super().setup_environment(environment)
-        self._owns_group = not dist.is_initialized()  # a group the user's script created is theirs to destroy
-        distributed.init_process_group(environment, self.backend, self.timeout)
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(self.root_device.type, (self.replicas, self.stages), mesh_dim_names=("dp", "pp"))
         self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.pp_rank = mesh.get_local_rank("pp")
 
+    @override
     def teardown(self) -> None:
         """Drop the stages and schedules (they hold the groups), then the groups."""
         groups = [g for g in (self._pp_group, self._dp_group) if g is not None and g != dist.GroupMember.WORLD]
@@ -188,23 +180,22 @@ class PipelineStrategy(Strategy):
         self._local = []
         self._pp_group = self._dp_group = None
         gc.collect()
-        if self._owns_group and not self.keeps_process_group:
-            distributed.destroy_process_group()  # the mesh's groups go with it
-        else:
+        if not self._owns_group or self.keeps_process_group:  # else the default group, left now, takes them along
             for group in groups:
                 dist.destroy_process_group(group)
-            if self._owns_group:
-                distributed.leave_process_group(keep=True)
         super().teardown()
 
     @property
+    @override
     def data_parallel_size(self) -> int:
         return self.replicas
 
     @property
+    @override
     def data_parallel_rank(self) -> int:
         return self.global_rank // self.stages
 
+    @override
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         kinds = [type(optimizer).__name__ for optimizer in optimizers if needs_closure(optimizer)]
         if kinds:
@@ -215,6 +206,7 @@ class PipelineStrategy(Strategy):
         return optimizers
 
     # ------------------------------------------------------------------ the model
+    @override
     def check_module(self, module: TrainModule, stage: str) -> None:
         if stage == "fit" and not module.automatic_optimization:
             raise MisconfigurationError("strategy='pipeline' runs its schedule's backward; set automatic_optimization = True.")
@@ -236,6 +228,7 @@ class PipelineStrategy(Strategy):
         if type(module).setup is TrainModule.setup and type(module).configure_model is TrainModule.configure_model:
             stage_ownership(module, build_stage_modules(module, self.num_chunks, self.split_points))
 
+    @override
     def setup_module(self, module: TrainModule) -> None:
         """Cut the module into stages, keep this rank's on its device (the rest stays where it was)."""
         chunks = build_stage_modules(module, self.num_chunks, self.split_points, self.precision.autocast)
@@ -292,6 +285,7 @@ class PipelineStrategy(Strategy):
         return loss * self._loss_weight
 
     # ------------------------------------------------------------------ the steps
+    @override
     def forward_backward(self, batch: Any, batch_idx: int, loss_scale: float,
                          before_backward: Callable[[torch.Tensor], None] | None) -> Any:
         """One schedule step (forward and backward of every micro-batch); the batch's mean loss on every rank."""
@@ -329,6 +323,7 @@ class PipelineStrategy(Strategy):
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
+    @override
     @contextlib.contextmanager
     def no_backward_sync(self) -> Iterator[None]:
         saved, self._sync_gradients = self._sync_gradients, False
@@ -337,6 +332,7 @@ class PipelineStrategy(Strategy):
         finally:
             self._sync_gradients = saved
 
+    @override
     def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         """Forward-only through the stages; the last stage's logging is replayed on its replica's ranks."""
         if v_style(self.schedule_name):
@@ -376,6 +372,7 @@ class PipelineStrategy(Strategy):
         finally:
             trainer.metrics = recorder.collector
 
+    @override
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
         """By norm: the norm of the WHOLE model's gradients (every stage's share summed), as on one device."""
         if algorithm != "norm":
@@ -391,6 +388,7 @@ class PipelineStrategy(Strategy):
             grad.mul_(scale.to(grad.device, grad.dtype))
 
     # ------------------------------------------------------------------ data
+    @override
     def prepare_loader(self, loader: DataLoader, train: bool, seed: int) -> DataLoader:
         """Shard by replica; training batches (the last one included) must split into micro-batches."""
         prepared = super().prepare_loader(loader, train, seed)
@@ -412,43 +410,28 @@ class PipelineStrategy(Strategy):
             )
         return prepared
 
-    # ------------------------------------------------------------------ collectives (world-wide)
+    # ------------------------------------------------------------------ collectives (the rest: ProcessGroupStrategy's)
+    @override
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce over every rank. Every stage of a replica holds the same logged values, so mean, max and
         min are those over replicas, and a sum is divided by the stages to count each replica once."""
-        device = distributed.collective_device(self.backend, self.root_device)
-        result = distributed.all_reduce(tensor.to(device), "sum" if op == "sum" else op)
+        result = distributed.all_reduce(tensor.to(self.collective_device), "sum" if op == "sum" else op)
         if op == "sum":
             result = result / self.stages
         return result.to(tensor.device)
 
-    def max_across_ranks_async(self, values: list[float]) -> Any:
-        return distributed.max_across_ranks_async(values, distributed.collective_device(self.backend, self.root_device))
-
-    def max_across_ranks_result(self, pending: Any) -> list[float]:
-        return distributed.max_across_ranks_result(pending)
-
-    def barrier(self, name: str | None = None) -> None:
-        distributed.barrier(self.backend, self.root_device)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return distributed.broadcast_object(obj, src=src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return distributed.all_gather_object(obj)
-
-    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
-        return distributed.all_gather_tensor(tensor, distributed.collective_device(self.backend, self.root_device), sync_grads)
-
+    @override
     def gather_data_parallel(self, obj: Any) -> list[Any]:
         """From the same stage of every replica: every rank of a pipeline holds its outputs."""
         return distributed.all_gather_object(obj, group=self._dp_group) if self.replicas > 1 else [obj]
 
+    @override
     def gather_module(self) -> None:
         assert self.module is not None
         self.module.load_state_dict(self.model_state_dict())  # the other stages' weights, from their ranks
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model under single-device keys, on CPU: every stage's share gathered (a collective)."""
         assert self.module is not None
@@ -458,6 +441,7 @@ class PipelineStrategy(Strategy):
             full.update(share)
         return {key: value.detach().cpu() for key, value in full.items()}
 
+    @override
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """As on one device: the param groups plus every stage's per-parameter state (a collective)."""
         state = optimizer.state_dict()
@@ -467,6 +451,7 @@ class PipelineStrategy(Strategy):
             merged.update(share)
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
+    @override
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load the per-parameter state of this rank's stage parameters only."""
         params = [p for group in optimizer.param_groups for p in group["params"]]

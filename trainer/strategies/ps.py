@@ -55,14 +55,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
-from callbacks.timer import Timer
 from trainer import faults
 from trainer.data import ResumableBatchSampler, _loader_kwargs, prepare_loader
-from trainer.environment import ClusterEnvironment, find_free_port, resolve_environment
+from trainer.environment import ClusterEnvironment, find_free_port
 from trainer.errors import MisconfigurationError
 from trainer.strategies import distributed
-from trainer.strategies.base import Strategy
+from trainer.strategies.process_group import ProcessGroupStrategy
 from trainer.strategies.ps_client import (
     ClaimedBatches,
     RemoteOptimizer,
@@ -79,7 +79,7 @@ STALE_POLICIES = ("drop", "scale")
 BACKENDS = ("gloo", "nccl")
 
 
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(ProcessGroupStrategy):
     """`Trainer(strategy="ps", devices=N)`: `ps_servers` servers and N - ps_servers workers (per job).
 
     ps_servers: how many of the job's first ranks hold parameters. staleness: 0 (synchronous), S >= 1
@@ -95,7 +95,7 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, ps_servers: int = 1, staleness: int | None = None, stale_gradients: str = "scale",
                  dynamic_batches: bool | None = None, backend: str | None = None,
                  environment: str | ClusterEnvironment | None = None) -> None:
-        super().__init__()
+        super().__init__(backend, environment)
         if not isinstance(ps_servers, int) or isinstance(ps_servers, bool) or ps_servers < 1:
             raise MisconfigurationError(f"ps_servers={ps_servers!r} must be a positive integer (the number of server ranks).")
         if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
@@ -112,13 +112,14 @@ class ParameterServerStrategy(Strategy):
                 "set staleness=None or dynamic_batches=False."
             )
         self.ps_servers, self.staleness, self.stale_gradients = ps_servers, staleness, stale_gradients
-        self.dynamic_batches, self.backend, self.environment_choice = dynamic, backend, environment
+        self.dynamic_batches = dynamic
         self._client: ShardClient | None = None
-        self._in_rpc = self._owns_group = self._clip_told = False
+        self._in_rpc = self._clip_told = False
         self._rpc_store: dist.Store | None = None  # RPC's rendezvous store, when this rank must serve it
         self._ambient_exception: BaseException | None = None
 
     # ------------------------------------------------------------------ the world
+    @override
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
         super().configure(accelerator, devices, num_nodes, precision)
         if not (dist.is_available() and rpc.is_available()):
@@ -134,18 +135,11 @@ class ParameterServerStrategy(Strategy):
                 f"num_nodes={num_nodes} gives {processes} process(es) and the first {self.ps_servers} serve; "
                 f"use at least {self.ps_servers + 1} processes in all, or fewer ps_servers."
             )
-        self.backend = distributed.resolve_backend(self.backend, self.accelerator, "ParameterServerStrategy")
         if self.accelerator == "cuda" and devices > torch.cuda.device_count():
             raise MisconfigurationError(
                 f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA device(s); servers use "
                 f"one each too, so use devices={torch.cuda.device_count()} or fewer."
             )
-
-    def processes_per_node(self) -> int:
-        return self.devices
-
-    def detect_environment(self) -> ClusterEnvironment:
-        return resolve_environment(self.environment_choice)
 
     @property
     def is_server(self) -> bool:
@@ -153,18 +147,21 @@ class ParameterServerStrategy(Strategy):
         return self.environment.launched and self.environment.global_rank < self.ps_servers
 
     @property
+    @override
     def global_rank(self) -> int:
         """A worker's rank among the workers (the chief is 0); a server's shard index."""
         env = self.environment
         return env.global_rank - self.ps_servers if env.launched and not self.is_server else env.global_rank
 
     @property
+    @override
     def world_size(self) -> int:
         """The number of workers: the world the loop and its collectives see."""
         env = self.environment
         return env.world_size - self.ps_servers if env.launched else env.world_size
 
     @property
+    @override
     def local_rank(self) -> int:
         """A worker's rank among its node's workers (the first of them prepares the node's data)."""
         env = self.environment
@@ -174,27 +171,25 @@ class ParameterServerStrategy(Strategy):
         return env.local_rank - servers_here
 
     @property
+    @override
     def is_global_zero(self) -> bool:
         return not self.is_server and self.global_rank == 0
 
     @property
+    @override
     def reporting_rank(self) -> int:
         return self.ps_servers  # the chief
 
+    @override
     def setup_environment(self, environment: ClusterEnvironment) -> None:
         """Join RPC (every rank) and the workers' process group (workers); a server starts holding its shard."""
-        expected = self.devices * self.num_nodes
-        if environment.world_size != expected:
-            raise MisconfigurationError(
-                f"{environment.name} started {environment.world_size} process(es), but Trainer(devices={self.devices}, "
-                f"num_nodes={self.num_nodes}) expects {expected}; make them match (processes per node = devices)."
-            )
+        self._check_launch(environment)
         if dist.is_initialized():
             raise MisconfigurationError(
                 "strategy='ps' makes a process group of its workers (the servers are not in it), but this process "
                 "already has one; do not call torch.distributed.init_process_group yourself under strategy='ps'."
             )
-        super().setup_environment(environment)
+        self._pin_device(environment)
         self._ambient_exception = sys.exc_info()[1]
         timeout = datetime.timedelta(seconds=self.timeout)
         store = distributed.job_store(environment, timeout)
@@ -234,6 +229,7 @@ class ParameterServerStrategy(Strategy):
                 rpc.shutdown(graceful=graceful)
         self._rpc_store = None
 
+    @override
     def serve(self) -> bool:
         """On a server: answer the workers until every process of the job has finished, then leave."""
         if not self.is_server:
@@ -247,6 +243,7 @@ class ParameterServerStrategy(Strategy):
             raise faults.Terminated(128 + received[0])  # stopped with the workers, as they were told to
         return True
 
+    @override
     def teardown(self) -> None:
         """Workers: final values into the module, leave the servers' bookkeeping, the group, then RPC."""
         # An exception raised in this run (not one the caller was already handling) means the others may
@@ -261,14 +258,16 @@ class ParameterServerStrategy(Strategy):
                     print(_summary(reports, self.stale_gradients))
         finally:
             self._client = None
+            # The workers' group goes now, kept for the script or not (RPC, which shuts down next, outlives it).
+            owns_group, self._owns_group = self._owns_group, False
             super().teardown()
-            if self._owns_group:
-                self._owns_group = False
+            if owns_group:
                 distributed.destroy_process_group()
             self._leave_rpc(graceful=not failing)
             stop_serving()
 
     # ------------------------------------------------------------------ the model
+    @override
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """Place the parameters on the servers (the chief initialises them); the loop steps a RemoteOptimizer."""
         assert self.module is not None
@@ -298,16 +297,19 @@ class ParameterServerStrategy(Strategy):
         lines += [f"  rank {servers + w}: worker {w}" + (" (chief: logs, checkpoints)" if w == 0 else "") for w in range(workers)]
         return "\n".join(lines)
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self._client is not None:
             self._client.refresh()
         return super().training_step(batch, batch_idx)
 
+    @override
     def eval_step(self, step_name: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         if self._client is not None:
             self._client.refresh()
         return super().eval_step(step_name, batch, batch_idx, dataloader_idx)
 
+    @override
     def check_config(self, config: TrainerConfig, callbacks: list[Any]) -> None:
         if not self.dynamic_batches:
             return
@@ -319,13 +321,10 @@ class ParameterServerStrategy(Strategy):
                 "give a batch count (an int).")
         # Each worker counts its own batches and steps, and they differ; a validation or a checkpoint every n of
         # them is a collective that the workers would reach different numbers of times, and wait forever.
-        every_n = [f"{type(c).__name__}(every_n_train_steps={c.every_n_train_steps})" for c in callbacks
-                   if getattr(c, "every_n_train_steps", 0)]
-        # A time budget checked after every step asks rank 0's clock each step, and so does a timed save.
-        every_n += ["max_time" if config.max_time is not None else "Timer(interval='step')" for c in callbacks
-                    if isinstance(c, Timer) and c.duration is not None and c.interval == "step"]
-        every_n += [f"{type(c).__name__}(train_time_interval={c.train_time_interval}s)" for c in callbacks
-                    if getattr(c, "train_time_interval", None) is not None]
+        # Callbacks declare such a need (Callback.step_collective). max_time is kept by a Timer the Trainer adds,
+        # which asks rank 0's clock after every step: the option is named first, as the user set it.
+        every_n = ["max_time"] if config.max_time is not None else []
+        every_n += [need for need in (callback.step_collective for callback in callbacks) if need is not None]
         if not (isinstance(config.val_check_interval, float) and config.val_check_interval == 1.0):  # int 1: every batch
             every_n.append(f"val_check_interval={config.val_check_interval}")
         if every_n:
@@ -335,6 +334,7 @@ class ParameterServerStrategy(Strategy):
                 "time budgets at epoch ends (every_n_epochs, val_check_interval=1.0, Timer(duration=..., "
                 "interval='epoch')), or give the ps strategy staleness=0.")
 
+    @override
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
         """Clip this worker's gradient before it is pushed: the servers average clipped gradients, where ddp
         clips the average (the same only while no worker's gradient is clipped); said once, by the chief."""
@@ -346,6 +346,7 @@ class ParameterServerStrategy(Strategy):
                 "worker's gradient exceeds the limit.", stacklevel=2)
         super().clip_gradients(optimizer, value, algorithm)
 
+    @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """Push the gradients (RemoteOptimizer.step); log how stale they were. (No optimizer that needs a closure
         gets here: check_optimizer refuses it.)"""
@@ -358,6 +359,7 @@ class ParameterServerStrategy(Strategy):
             optimizer.last_push = {}
 
     # ------------------------------------------------------------------ data
+    @override
     def prepare_loader(self, loader: DataLoader, train: bool, seed: int) -> DataLoader:
         """Fixed shards over the workers, or (dynamic_batches) one shared epoch order claimed batch by batch."""
         claimable = (train and self.dynamic_batches and type(loader) is DataLoader and loader.batch_size is not None
@@ -378,21 +380,8 @@ class ParameterServerStrategy(Strategy):
             )
         return rpc.rpc_sync("ps0", on_shard, args=("claim", self.global_rank, epoch, total))
 
-    # ------------------------------------------------------------------ collectives (the workers' group)
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        device = distributed.collective_device(self.backend, self.root_device)
-        return distributed.all_reduce(tensor.to(device), op).to(tensor.device)
-
-    def barrier(self, name: str | None = None) -> None:
-        distributed.barrier(self.backend, self.root_device)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return distributed.broadcast_object(obj, src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return distributed.all_gather_object(obj)
-
     # ------------------------------------------------------------------ checkpoints
+    @override
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The servers' values (a collective: each worker's pushes so far are applied before the read)."""
         if self._client is None:
@@ -401,6 +390,7 @@ class ParameterServerStrategy(Strategy):
         self.barrier("model_state_dict")
         return self._client.state_dict_of(self.module)
 
+    @override
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         super().load_model_state_dict(state_dict, strict)
         if self._client is not None and self.is_global_zero:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from trainer.environment import ClusterEnvironment
 from trainer.errors import MisconfigurationError
 from trainer.strategies.base import Strategy
@@ -12,6 +14,7 @@ class SingleDeviceStrategy(Strategy):
 
     name = "single"
 
+    @override
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
         super().configure(accelerator, devices, num_nodes, precision)
         if devices != 1 or num_nodes != 1:
@@ -20,6 +23,11 @@ class SingleDeviceStrategy(Strategy):
                 "use strategy='ddp' to train on several."
             )
 
+    @override
+    def processes_per_node(self) -> int:
+        return 1
+
+    @override
     def setup_environment(self, environment: ClusterEnvironment) -> None:
         # Under torchrun/srun with several processes, 'single' would train unsynchronised copies on split data.
         if environment.world_size > 1:
