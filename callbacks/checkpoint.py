@@ -155,7 +155,7 @@ class ModelCheckpoint(Callback):
             return
         self._validation_ran, self._validated_step = True, trainer.global_step
         # The epoch-end validation is followed by on_train_epoch_end, which saves for it.
-        if not trainer.progress.epoch_done and self._epoch_due(trainer) and self.save_on_train_epoch_end is not True:
+        if not trainer.epoch_batches_done and self._epoch_due(trainer) and self.save_on_train_epoch_end is not True:
             self._save(trainer, at_epoch_end=False)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
@@ -163,7 +163,7 @@ class ModelCheckpoint(Callback):
         saves_here = self.save_on_train_epoch_end is not False or validated
         if self._epoch_due(trainer) and saves_here:
             self._save(trainer, at_epoch_end=True, top_k=self._score_is_current(trainer))
-        elif self.save_last and (saves_here or not trainer.progress.epoch_done):
+        elif self.save_last and (saves_here or not trainer.epoch_batches_done):
             # last.ckpt holds every epoch end, as in Lightning, whatever saves the ranked files (every n epochs,
             # steps or seconds); and a run that stops mid-epoch (should_stop, max_steps) leaves one to resume from.
             self._save(trainer, at_epoch_end=True, top_k=False)
@@ -218,8 +218,7 @@ class ModelCheckpoint(Callback):
         message = (f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
                    f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) or fix the name.")
         # Before the first validation a validation metric is legitimately absent; after it, it is a mistake.
-        epoch_validated = (at_epoch_end and trainer.progress.epoch_done and trainer.config.check_val_every_n_epoch == 1
-                           and trainer.config.limit_val_batches != 0)
+        epoch_validated = at_epoch_end and trainer.epoch_batches_done and trainer.validates_at_epoch_end
         if self._validation_ran or epoch_validated:
             return message
         if not self._warned_missing and trainer.is_global_zero:

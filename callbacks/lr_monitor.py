@@ -56,9 +56,9 @@ class LearningRateMonitor(Callback):
             self._interval_of.append(self.logging_interval or follows)
 
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.progress.batches_stepped
+        step = trainer.batches_stepped
         # Micro-batches of one accumulated step share a global step: log once per step.
-        if step == self._last_logged_step or step % trainer.config.log_every_n_steps:
+        if step == self._last_logged_step or not trainer.logs_this_step:
             return
         self._last_logged_step = step
         self._log(trainer, "step")
@@ -83,7 +83,7 @@ class LearningRateMonitor(Callback):
                     values[f"{name}-weight_decay"] = float(group.get("weight_decay", 0.0))
         if values:
             for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.progress.batches_stepped)
+                logger.log_metrics(values, step=trainer.batches_stepped)
 
 
 def group_names(optimizers: list[Optimizer], schedulers: list[SchedulerConfig]) -> list[list[str]]:

@@ -149,7 +149,7 @@ class RichProgressBar(Callback):
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         if not self._enabled:
             return
-        self._epoch_first_batch = trainer.progress.epoch_batches  # a resume starts mid-epoch
+        self._epoch_first_batch = trainer.batches_this_epoch  # a resume starts mid-epoch
         self._ended_epoch_batches = None
         self._epoch_started = time.monotonic()
         progress = self._live()
@@ -172,7 +172,7 @@ class RichProgressBar(Callback):
         if progress is None or trainer is None:
             return
         if self._train_task is not None:
-            done = trainer.progress.epoch_batches if self._ended_epoch_batches is None else self._ended_epoch_batches
+            done = trainer.batches_this_epoch if self._ended_epoch_batches is None else self._ended_epoch_batches
             if self._ended_epoch_batches is None:
                 done -= done % self.refresh_rate  # the count moves every refresh_rate batches
             progress.update(self._train_task, completed=done, metrics=metrics_text(trainer))
@@ -191,11 +191,11 @@ class RichProgressBar(Callback):
         if not self._enabled:
             return
         if self._progress is not None:
-            self._ended_epoch_batches = trainer.progress.epoch_batches  # the loop resets it before on_train_end
+            self._ended_epoch_batches = trainer.batches_this_epoch  # the loop resets it before on_train_end
             self._redraw()
             return
         elapsed = time.monotonic() - self._epoch_started
-        done = trainer.progress.epoch_batches
+        done = trainer.batches_this_epoch
         rate = (done - self._epoch_first_batch) / elapsed if elapsed > 0 else 0.0
         line = (f"{self._epoch_description(trainer)}: {done}/{trainer.num_training_batches} batches, "
                 f"{elapsed:.1f}s, {rate:.1f} it/s, {metrics_text(trainer)}")
