@@ -76,7 +76,8 @@ class EarlyStopping(Callback):
             return  # a smoke test of a batch or two: as in Lightning, it never stops early
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
-            message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; logged: {sorted(metrics)}. "
+            message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; "
+                       f"logged: {sorted(metrics)}. "
                        f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False.")
             if self.strict:
                 raise MisconfigurationError(message)

@@ -38,18 +38,13 @@ class _SpeedColumn(ProgressColumn):
 
 
 def metrics_text(trainer: Trainer) -> str:
-    """'step=120 loss=0.1234 ...' from the progress-bar metrics (tensors become floats only here, where the
-    bar is drawn, also from rich's refresh thread while the loop runs)."""
+    """'step=120 loss=0.1234 ...': the bar's tensors become floats only here, when drawn, so no step syncs for it."""
     values = (f"{name}={value:.4g}" for name, value in trainer.progress_bar_metrics.items())
     return " ".join([f"step={trainer.global_step}", *values])
 
 
 class _TrainerProgress(Progress):
-    """A rich Progress that brings the training task up to date just before each redraw.
-
-    rich redraws from its own thread every `refresh_per_second`; the task's count and metrics are read
-    from the trainer then, so the training loop never calls into the bar.
-    """
+    """A rich Progress that reads the trainer just before each redraw (in rich's thread): the loop never calls it."""
 
     def __init__(self, *columns: Any, before_render: Any, **kwargs: Any) -> None:
         self._before_render = before_render  # set first: rich may draw while it is being built
@@ -76,7 +71,8 @@ class RichProgressBar(Callback):
     def __init__(self, refresh_rate: int = 1, leave: bool = False, console_kwargs: dict[str, Any] | None = None,
                  refresh_interval: float = 0.5, console: Console | None = None) -> None:
         if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
-            raise MisconfigurationError(f"RichProgressBar(refresh_rate={refresh_rate!r}) must be a number of batches >= 0 (0 hides the bar).")
+            raise MisconfigurationError(
+                f"RichProgressBar(refresh_rate={refresh_rate!r}) must be a number of batches >= 0 (0 hides the bar).")
         if not isinstance(refresh_interval, (int, float)) or refresh_interval < 0:
             raise MisconfigurationError(f"RichProgressBar(refresh_interval={refresh_interval!r}) must be seconds >= 0.")
         self.refresh_rate, self.leave, self.refresh_interval = refresh_rate, leave, float(refresh_interval)
@@ -97,7 +93,8 @@ class RichProgressBar(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # Consoles and live displays hold files and locks; worker processes build their own.
         state = self.__dict__.copy()
-        state.update(_user_console=None, _console=None, _progress=None, _trainer=None, _train_task=None, _eval_task=None)
+        state.update(_user_console=None, _console=None, _progress=None, _trainer=None, _train_task=None,
+                     _eval_task=None)
         return state
 
     def uses_hook(self, hook: str) -> bool:
@@ -163,7 +160,8 @@ class RichProgressBar(Callback):
         else:
             progress.reset(self._train_task, total=total, description=description)  # both redraw
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self._redraw()  # refresh_interval=0 only (see uses_hook)
 
     def _update_tasks(self) -> None:
