@@ -217,7 +217,7 @@ class Trainer:
 
     @property
     def validates_at_epoch_end(self) -> bool:
-        """Each training epoch's end validates, where there are validation loaders (check_val_every_n_epoch=1)."""
+        """Every training epoch's end validates, given val loaders (check_val_every_n_epoch=1, limit_val_batches!=0)."""
         return self.config.check_val_every_n_epoch == 1 and self.config.limit_val_batches != 0
 
     @property
