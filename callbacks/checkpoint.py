@@ -57,7 +57,8 @@ class ModelCheckpoint(Callback):
         if mode not in ("min", "max"):
             raise MisconfigurationError(f"ModelCheckpoint(mode={mode!r}) is not known; use 'min' or 'max'.")
         if not isinstance(save_top_k, int) or save_top_k < -1:
-            raise MisconfigurationError(f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (keep all), 0 (none) or k >= 1.")
+            raise MisconfigurationError(
+                f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (keep all), 0 (none) or k >= 1.")
         for key, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise MisconfigurationError(f"ModelCheckpoint({key}={value!r}) must be a whole number >= 0.")
@@ -65,8 +66,9 @@ class ModelCheckpoint(Callback):
         if interval == 0:
             raise MisconfigurationError("ModelCheckpoint(train_time_interval=0) would save after every step; use "
                                         "every_n_train_steps=1 for that, or give a positive duration.")
-        triggers = [f"{key}={value!r}" for key, value in (("every_n_epochs", every_n_epochs),
-                    ("every_n_train_steps", every_n_train_steps), ("train_time_interval", train_time_interval)) if value]
+        given = (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps),
+                 ("train_time_interval", train_time_interval))
+        triggers = [f"{key}={value!r}" for key, value in given if value]
         if len(triggers) > 1:
             raise MisconfigurationError(f"ModelCheckpoint got {' and '.join(triggers)}; set only one of them.")
         if save_on_train_epoch_end not in (None, True, False):
@@ -96,9 +98,7 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        # Lightning's key leaves the filename out, so that two callbacks keeping the best 1 and the best 3 by one
-        # monitor collide; here they are told apart by the names they save under. (Not by the folder: a resume
-        # that moves it keeps best_model_path, see load_state_dict.)
+        # Unlike Lightning's, it names the filename (not the folder, which a resume may move): best-1 and best-3 differ.
         return self._key(filename=self.filename) if self.filename != "{epoch}-{step}" else self._key()
 
     @property
@@ -118,8 +118,7 @@ class ModelCheckpoint(Callback):
         if stage != "fit":
             return
         path = self._dirpath_arg if self._dirpath_arg is not None else Path(trainer.log_dir) / "checkpoints"
-        # Rank 0's folder wins, so every rank agrees on the paths it records; absolute, so a resume
-        # started from another working directory still recognises them.
+        # Rank 0's absolute folder: every rank records the same paths, and a resume from another cwd recognises them.
         self.dirpath = trainer.strategy.broadcast(str(path.absolute()) if trainer.is_global_zero else None)
         self._validation_ran = False
 
@@ -131,7 +130,8 @@ class ModelCheckpoint(Callback):
     def uses_hook(self, hook: str) -> bool:
         return hook != "on_train_batch_end" or bool(self.every_n_train_steps) or self.train_time_interval is not None
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         n = self.every_n_train_steps
         if n and trainer.global_step % n == 0:
             self._save(trainer, at_epoch_end=False)
@@ -139,8 +139,7 @@ class ModelCheckpoint(Callback):
             self._save_if_interval_passed(trainer)
 
     def _save_if_interval_passed(self, trainer: Trainer) -> None:
-        # Only after a batch that stepped: a save inside an accumulation window would lack its gradients,
-        # and a resume from it would not match the uninterrupted run.
+        # Only after a stepping batch: a save inside an accumulation window would lack its gradients and not resume.
         stepped, self._step_seen = trainer.global_step != self._step_seen, trainer.global_step
         if not stepped:
             return
@@ -155,7 +154,7 @@ class ModelCheckpoint(Callback):
             return
         self._validation_ran, self._validated_step = True, trainer.global_step
         # The epoch-end validation is followed by on_train_epoch_end, which saves for it.
-        if not trainer.progress.epoch_done and self._epoch_due(trainer) and self.save_on_train_epoch_end is not True:
+        if not trainer.epoch_batches_done and self._epoch_due(trainer) and self.save_on_train_epoch_end is not True:
             self._save(trainer, at_epoch_end=False)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
@@ -163,14 +162,12 @@ class ModelCheckpoint(Callback):
         saves_here = self.save_on_train_epoch_end is not False or validated
         if self._epoch_due(trainer) and saves_here:
             self._save(trainer, at_epoch_end=True, top_k=self._score_is_current(trainer))
-        elif self.save_last and (saves_here or not trainer.progress.epoch_done):
-            # last.ckpt holds every epoch end, as in Lightning, whatever saves the ranked files (every n epochs,
-            # steps or seconds); and a run that stops mid-epoch (should_stop, max_steps) leaves one to resume from.
+        elif self.save_last and (saves_here or not trainer.epoch_batches_done):
+            # last.ckpt at each epoch end whatever saves ranked files (as in Lightning), and at a stop to resume from.
             self._save(trainer, at_epoch_end=True, top_k=False)
 
     def _score_is_current(self, trainer: Trainer) -> bool:
-        """False at an epoch end that no validation preceded, in a fit that validates (check_val_every_n_epoch > 1,
-        a stop mid-epoch): the monitored value would be an older validation's, so the checkpoint is not ranked."""
+        """Whether the monitored value is this step's: after no validation it is an older one, not worth ranking."""
         return self.monitor is None or not trainer.val_dataloaders or self._validated_step == trainer.global_step
 
     def _epoch_due(self, trainer: Trainer) -> bool:
@@ -213,13 +210,12 @@ class ModelCheckpoint(Callback):
         return trainer.strategy.broadcast(values)
 
     def _missing_monitor(self, trainer: Trainer, at_epoch_end: bool) -> str | None:
-        """The error for a monitor that is still not logged when it should be; None (after a warning, once)
-        while it may yet appear, or when validation, which would log it, is off (limit_val_batches=0)."""
+        """The error for a monitor absent where it must be logged; None (warning once) before a validation logs it."""
         message = (f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
-                   f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) or fix the name.")
+                   f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) "
+                   "or fix the name.")
         # Before the first validation a validation metric is legitimately absent; after it, it is a mistake.
-        epoch_validated = (at_epoch_end and trainer.progress.epoch_done and trainer.config.check_val_every_n_epoch == 1
-                           and trainer.config.limit_val_batches != 0)
+        epoch_validated = at_epoch_end and trainer.epoch_batches_done and trainer.validates_at_epoch_end
         if self._validation_ran or epoch_validated:
             return message
         if not self._warned_missing and trainer.is_global_zero:
@@ -254,15 +250,15 @@ class ModelCheckpoint(Callback):
             del self.best_k_models[worst]
         self._rank()
         if self.monitor is not None:
-            self._say(trainer, values, f"{self.monitor!r} reached {score:.5g} (best {float(self.best_model_score):.5g}), saving {path}")
+            best = float(self.best_model_score)
+            self._say(trainer, values, f"{self.monitor!r} reached {score:.5g} (best {best:.5g}), saving {path}")
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)  # the bookkeeping above is part of it
         for old in evicted:
             trainer.strategy.remove_checkpoint(old)
         return path
 
     def _free_path(self, trainer: Trainer, template: str, values: dict[str, Any], reusable: str) -> str:
-        """`<dirpath>/<name>.ckpt`, or `<name>-v1.ckpt`, ... when the name is taken (by us or by another file) and
-        enable_version_counter is on."""
+        """`<dirpath>/<name>.ckpt`, or `-v1`, `-v2`, ... added while a file has it (with enable_version_counter)."""
         path = None
         if trainer.is_global_zero:
             name = self.format_checkpoint_name(values, template)[: -len(self.FILE_EXTENSION)]
@@ -288,8 +284,8 @@ class ModelCheckpoint(Callback):
                 text = format(value, spec)
             except ValueError:
                 if not (isinstance(value, float) and value.is_integer()):
-                    raise MisconfigurationError(
-                        f"ModelCheckpoint(filename={template!r}): {name}={value!r} cannot be formatted as {spec!r}.") from None
+                    raise MisconfigurationError(f"ModelCheckpoint(filename={template!r}): {name}={value!r} "
+                                                f"cannot be formatted as {spec!r}.") from None
                 text = format(int(value), spec)  # a logged count arrives as a float
             named = match.string[: match.start()].endswith(f"{name}=")
             return f"{name}={text}" if self.auto_insert_metric_name and not named else text
@@ -334,7 +330,8 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved_dir = state.get("dirpath")
-        same_dir = self.dirpath is None or (saved_dir is not None and Path(saved_dir).resolve() == Path(self.dirpath).resolve())
+        same_dir = self.dirpath is None or (saved_dir is not None
+                                            and Path(saved_dir).resolve() == Path(self.dirpath).resolve())
         if not same_dir:
             # Other files live there: keeping their scores would evict or mis-rank files we never wrote.
             warnings.warn(f"ModelCheckpoint: the checkpoint folder changed from {saved_dir} to {self.dirpath}; "

@@ -59,10 +59,8 @@ class EarlyStopping(Callback):
         if self.check_on_train_epoch_end is not None:
             self._at_epoch_end = self.check_on_train_epoch_end
             return
-        interval = trainer.config.val_check_interval
-        # Validation runs right before on_train_epoch_end exactly when it runs once per epoch, at its end.
-        self._at_epoch_end = (isinstance(interval, float) and interval == 1.0
-                              and trainer.config.check_val_every_n_epoch == 1)
+        # Epoch ends check only where each follows its epoch's one validation: elsewhere they would see stale values.
+        self._at_epoch_end = trainer.validates_only_at_epoch_end
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         if trainer.sanity_checking or trainer.stage != "fit" or self._at_epoch_end:
@@ -78,7 +76,8 @@ class EarlyStopping(Callback):
             return  # a smoke test of a batch or two: as in Lightning, it never stops early
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
-            message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; logged: {sorted(metrics)}. "
+            message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; "
+                       f"logged: {sorted(metrics)}. "
                        f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False.")
             if self.strict:
                 raise MisconfigurationError(message)

@@ -34,7 +34,8 @@ class LearningRateMonitor(Callback):
             raise MisconfigurationError(
                 f"LearningRateMonitor(logging_interval={logging_interval!r}) is not known; use None, 'step' or 'epoch'."
             )
-        self.logging_interval, self.log_momentum, self.log_weight_decay = logging_interval, log_momentum, log_weight_decay
+        self.logging_interval = logging_interval
+        self.log_momentum, self.log_weight_decay = log_momentum, log_weight_decay
         self._names: list[list[str]] = []  # per optimizer, per parameter group
         self._interval_of: list[str] = []  # per optimizer: "step" | "epoch" | "any"
         self._last_logged_step = -1
@@ -42,8 +43,8 @@ class LearningRateMonitor(Callback):
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         # Under fast_dev_run the Trainer, not the user, turned the loggers off: the smoke test runs, logging nothing.
         if stage == "fit" and not trainer.loggers and not trainer.config.fast_dev_run:
-            raise MisconfigurationError("LearningRateMonitor writes to the trainer's loggers, but the Trainer has none; "
-                                        "set logger=True (or 'csv', 'tensorboard') or drop the callback.")
+            raise MisconfigurationError("LearningRateMonitor writes to the trainer's loggers, but the Trainer has "
+                                        "none; set logger=True (or 'csv', 'tensorboard') or drop the callback.")
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._last_logged_step = -1
@@ -56,9 +57,9 @@ class LearningRateMonitor(Callback):
             self._interval_of.append(self.logging_interval or follows)
 
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.progress.batches_stepped
+        step = trainer.batches_stepped
         # Micro-batches of one accumulated step share a global step: log once per step.
-        if step == self._last_logged_step or step % trainer.config.log_every_n_steps:
+        if step == self._last_logged_step or not trainer.logs_this_step:
             return
         self._last_logged_step = step
         self._log(trainer, "step")
@@ -78,12 +79,13 @@ class LearningRateMonitor(Callback):
             for group, name in zip(optimizer.param_groups, names):
                 values[name] = float(group["lr"]) * ratio
                 if self.log_momentum:
-                    values[f"{name}-momentum"] = float(group["betas"][0] if "betas" in group else group.get("momentum", 0.0))
+                    momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
+                    values[f"{name}-momentum"] = float(momentum)
                 if self.log_weight_decay:
                     values[f"{name}-weight_decay"] = float(group.get("weight_decay", 0.0))
         if values:
             for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.progress.batches_stepped)
+                logger.log_metrics(values, step=trainer.batches_stepped)
 
 
 def group_names(optimizers: list[Optimizer], schedulers: list[SchedulerConfig]) -> list[list[str]]:

@@ -32,21 +32,24 @@ class BasePredictionWriter(Callback):
     def __init__(self, write_interval: str = "batch") -> None:
         if write_interval not in WRITE_INTERVALS:
             raise MisconfigurationError(
-                f"{type(self).__name__}(write_interval={write_interval!r}) is not known; use one of {', '.join(WRITE_INTERVALS)}.")
+                f"{type(self).__name__}(write_interval={write_interval!r}) is not known; "
+                f"use one of {', '.join(WRITE_INTERVALS)}.")
         self.write_interval = write_interval
         self._predictions: dict[int, list[Any]] = {}  # per dataloader_idx, kept for write_on_epoch_end
         self._batch_indices: dict[int, list[list[int] | None]] = {}
 
-    def write_on_batch_end(self, trainer: Trainer, module: TrainModule, prediction: Any, batch_indices: list[int] | None,
-                           batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+    def write_on_batch_end(self, trainer: Trainer, module: TrainModule, prediction: Any,
+                           batch_indices: list[int] | None, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         """Write one batch's prediction."""
-        raise NotImplementedError(f"{type(self).__name__}(write_interval={self.write_interval!r}) must implement write_on_batch_end.")
+        raise NotImplementedError(
+            f"{type(self).__name__}(write_interval={self.write_interval!r}) must implement write_on_batch_end.")
 
     def write_on_epoch_end(self, trainer: Trainer, module: TrainModule, predictions: list[Any],
                            batch_indices: list[list[list[int] | None]]) -> None:
         """Write this rank's predictions of the whole run: a list of batch outputs (a list of those per loader
         when there are several); `batch_indices` holds each loader's list of batch indices."""
-        raise NotImplementedError(f"{type(self).__name__}(write_interval={self.write_interval!r}) must implement write_on_epoch_end.")
+        raise NotImplementedError(
+            f"{type(self).__name__}(write_interval={self.write_interval!r}) must implement write_on_epoch_end.")
 
     def on_predict_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._predictions, self._batch_indices = {}, {}
@@ -67,4 +70,5 @@ class BasePredictionWriter(Callback):
         predictions = [self._predictions.get(index, []) for index in loaders]
         batch_indices = [self._batch_indices.get(index, []) for index in loaders]
         self._predictions, self._batch_indices = {}, {}
-        self.write_on_epoch_end(trainer, module, predictions[0] if len(predictions) == 1 else predictions, batch_indices)
+        self.write_on_epoch_end(trainer, module, predictions[0] if len(predictions) == 1 else predictions,
+                                batch_indices)

@@ -38,18 +38,13 @@ class _SpeedColumn(ProgressColumn):
 
 
 def metrics_text(trainer: Trainer) -> str:
-    """'step=120 loss=0.1234 ...' from the progress-bar metrics (tensors become floats only here, where the
-    bar is drawn, also from rich's refresh thread while the loop runs)."""
+    """'step=120 loss=0.1234 ...': the bar's tensors become floats only here, when drawn, so no step syncs for it."""
     values = (f"{name}={value:.4g}" for name, value in trainer.progress_bar_metrics.items())
     return " ".join([f"step={trainer.global_step}", *values])
 
 
 class _TrainerProgress(Progress):
-    """A rich Progress that brings the training task up to date just before each redraw.
-
-    rich redraws from its own thread every `refresh_per_second`; the task's count and metrics are read
-    from the trainer then, so the training loop never calls into the bar.
-    """
+    """A rich Progress that reads the trainer just before each redraw (in rich's thread): the loop never calls it."""
 
     def __init__(self, *columns: Any, before_render: Any, **kwargs: Any) -> None:
         self._before_render = before_render  # set first: rich may draw while it is being built
@@ -76,7 +71,8 @@ class RichProgressBar(Callback):
     def __init__(self, refresh_rate: int = 1, leave: bool = False, console_kwargs: dict[str, Any] | None = None,
                  refresh_interval: float = 0.5, console: Console | None = None) -> None:
         if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
-            raise MisconfigurationError(f"RichProgressBar(refresh_rate={refresh_rate!r}) must be a number of batches >= 0 (0 hides the bar).")
+            raise MisconfigurationError(
+                f"RichProgressBar(refresh_rate={refresh_rate!r}) must be a number of batches >= 0 (0 hides the bar).")
         if not isinstance(refresh_interval, (int, float)) or refresh_interval < 0:
             raise MisconfigurationError(f"RichProgressBar(refresh_interval={refresh_interval!r}) must be seconds >= 0.")
         self.refresh_rate, self.leave, self.refresh_interval = refresh_rate, leave, float(refresh_interval)
@@ -97,7 +93,8 @@ class RichProgressBar(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # Consoles and live displays hold files and locks; worker processes build their own.
         state = self.__dict__.copy()
-        state.update(_user_console=None, _console=None, _progress=None, _trainer=None, _train_task=None, _eval_task=None)
+        state.update(_user_console=None, _console=None, _progress=None, _trainer=None, _train_task=None,
+                     _eval_task=None)
         return state
 
     def uses_hook(self, hook: str) -> bool:
@@ -149,7 +146,7 @@ class RichProgressBar(Callback):
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         if not self._enabled:
             return
-        self._epoch_first_batch = trainer.progress.epoch_batches  # a resume starts mid-epoch
+        self._epoch_first_batch = trainer.batches_this_epoch  # a resume starts mid-epoch
         self._ended_epoch_batches = None
         self._epoch_started = time.monotonic()
         progress = self._live()
@@ -163,7 +160,8 @@ class RichProgressBar(Callback):
         else:
             progress.reset(self._train_task, total=total, description=description)  # both redraw
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self._redraw()  # refresh_interval=0 only (see uses_hook)
 
     def _update_tasks(self) -> None:
@@ -172,7 +170,7 @@ class RichProgressBar(Callback):
         if progress is None or trainer is None:
             return
         if self._train_task is not None:
-            done = trainer.progress.epoch_batches if self._ended_epoch_batches is None else self._ended_epoch_batches
+            done = trainer.batches_this_epoch if self._ended_epoch_batches is None else self._ended_epoch_batches
             if self._ended_epoch_batches is None:
                 done -= done % self.refresh_rate  # the count moves every refresh_rate batches
             progress.update(self._train_task, completed=done, metrics=metrics_text(trainer))
@@ -191,11 +189,11 @@ class RichProgressBar(Callback):
         if not self._enabled:
             return
         if self._progress is not None:
-            self._ended_epoch_batches = trainer.progress.epoch_batches  # the loop resets it before on_train_end
+            self._ended_epoch_batches = trainer.batches_this_epoch  # the loop resets it before on_train_end
             self._redraw()
             return
         elapsed = time.monotonic() - self._epoch_started
-        done = trainer.progress.epoch_batches
+        done = trainer.batches_this_epoch
         rate = (done - self._epoch_first_batch) / elapsed if elapsed > 0 else 0.0
         line = (f"{self._epoch_description(trainer)}: {done}/{trainer.num_training_batches} batches, "
                 f"{elapsed:.1f}s, {rate:.1f} it/s, {metrics_text(trainer)}")

@@ -112,11 +112,11 @@ class ModelSummary(Callback):
         self._train_start, self._train_samples = time.perf_counter(), 0
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
-        self._first_batch = trainer.progress.epoch_batches  # a resumed epoch starts mid-way
+        self._first_batch = trainer.batches_this_epoch  # a resumed epoch starts mid-way
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         # Counted per epoch from the loader's batch size, not per batch: nothing of ours runs between steps.
-        samples = samples_in_batches(trainer.train_dataloader, self._first_batch, trainer.progress.epoch_batches)
+        samples = samples_in_batches(trainer.train_dataloader, self._first_batch, trainer.batches_this_epoch)
         self._train_samples = None if samples is None or self._train_samples is None else self._train_samples + samples
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:

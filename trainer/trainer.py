@@ -194,6 +194,38 @@ class Trainer:
     def global_step(self) -> int:
         return self.progress.global_step
 
+    # Facts about the fit's schedule that callbacks read, so that none re-derives it from progress or config.
+    @property
+    def batches_stepped(self) -> int:
+        """The loggers' step: batches that stepped, once each however many optimizers a batch steps."""
+        return self.progress.batches_stepped
+
+    @property
+    def batches_this_epoch(self) -> int:
+        """Training batches consumed so far in the current epoch (a resumed epoch counts those before it)."""
+        return self.progress.epoch_batches
+
+    @property
+    def epoch_batches_done(self) -> bool:
+        """The current epoch's batches are all consumed (False while it runs and where a stop cut it short)."""
+        return self.progress.epoch_done
+
+    @property
+    def logs_this_step(self) -> bool:
+        """The loggers' step is one that per-step rows are written at (a multiple of log_every_n_steps)."""
+        return self.progress.batches_stepped % self.config.log_every_n_steps == 0
+
+    @property
+    def validates_at_epoch_end(self) -> bool:
+        """Every training epoch's end validates, given val loaders (check_val_every_n_epoch=1, limit_val_batches!=0)."""
+        return self.config.check_val_every_n_epoch == 1 and self.config.limit_val_batches != 0
+
+    @property
+    def validates_only_at_epoch_end(self) -> bool:
+        """Any validation runs at each epoch's end and nowhere else (val_check_interval=1.0, every epoch)."""
+        interval = self.config.val_check_interval
+        return isinstance(interval, float) and interval == 1.0 and self.config.check_val_every_n_epoch == 1
+
     @property
     def global_rank(self) -> int:
         return self.strategy.global_rank
