@@ -31,6 +31,8 @@ MARKER = re.compile(r"<!--\s*(not-tested|file|multi-process)\s*(?::\s*(.*?))?\s*
 
 @dataclass
 class Block:
+    """One fenced code block of a page, and what its marker says about running it."""
+
     page: Path
     line: int
     language: str
@@ -93,7 +95,8 @@ def run_block(folder: Path, block: Block) -> subprocess.CompletedProcess:
     name = block.file_name or ("snippet.py" if block.language == "python" else "snippet.sh")
     (folder / name).write_text(block.code)
     command = [sys.executable, name] if block.language == "python" else ["bash", "-e", name]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path,
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     proc = subprocess.Popen(command, cwd=folder, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -111,6 +114,7 @@ def run_block(folder: Path, block: Block) -> subprocess.CompletedProcess:
 
 
 def check_quickstart(folder: Path) -> None:
+    """The README's Python quick start wrote its run: a last.ckpt and the module's hyperparameters."""
     run = folder / "runs" / "default" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "hparams.yaml").read_text().strip() == "lr: 0.01"
 
@@ -134,7 +138,7 @@ def test_every_block_runs_or_says_why_not() -> None:
     assert RUN_BLOCKS and {block.page.name for block in RUN_BLOCKS} >= {"README.md"}
     unexplained = [block.id for block in ALL_BLOCKS
                    if not block.runs and not block.file_name and not (block.not_tested or "").strip()]
-    assert not unexplained, "mark these blocks `<!-- not-tested: REASON -->` or make them runnable: " + ", ".join(unexplained)
+    assert not unexplained, f"mark these `<!-- not-tested: REASON -->` or make them runnable: {', '.join(unexplained)}"
 
 
 def test_readme_quickstart_is_short() -> None:
