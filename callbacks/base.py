@@ -1,34 +1,4 @@
-"""The Callback base class: where every hook fires, shown as a copy of the loop.
-
-    fit():
-        setup(stage="fit")                       # every process, after the strategy set up its world
-        on_fit_start
-        on_sanity_check_start / validation loop / on_sanity_check_end   (num_sanity_val_steps batches)
-        on_train_start
-        for epoch in epochs:
-            on_train_epoch_start
-            for batch_idx, batch in train batches:
-                on_train_batch_start
-                    forward -> on_before_backward -> backward -> on_after_backward
-                    every accumulate_grad_batches micro-batches:
-                        on_before_optimizer_step -> clip -> step -> on_before_zero_grad -> zero_grad
-                on_train_batch_end
-                if a validation is due (val_check_interval):
-                    on_validation_start, on_validation_epoch_start
-                    for each batch: on_validation_batch_start, validation_step, on_validation_batch_end
-                    on_validation_epoch_end, on_validation_end
-            on_train_epoch_end                       # after the epoch's last validation; callbacks that
-                                                     # monitor logged values (checkpoint, early stopping) last,
-                                                     # after the module's hook, and see what it logged
-        on_train_end
-        on_fit_end
-        teardown(stage="fit")
-    on_save_checkpoint(checkpoint) fires while a checkpoint dict is built; on_load_checkpoint when one is read.
-    on_exception(exception) fires when the loop raises, before the error propagates.
-
-Validation, test and predict run the same pattern with their own stage names. Hooks fire on every
-rank; a callback that writes files or prints asks `trainer.is_global_zero`.
-"""
+"""The Callback base class. Where every hook fires, written out as a copy of the loop: docs/callbacks.md."""
 
 from __future__ import annotations
 

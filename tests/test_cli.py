@@ -401,13 +401,3 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["plot", "run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trainer plot needs matplotlib: pip install 'trainer[plot]'" in err
-
-
-def test_readme_python_example_runs(tmp_path):
-    readme = (REPO / "README.md").read_text()
-    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(example.splitlines()) <= 35
-    namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)  # trains 3 epochs on random data
-    run = tmp_path / "runs" / "default" / "version_0"
-    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "hparams.yaml").read_text().strip() == "lr: 0.01"

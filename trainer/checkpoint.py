@@ -1,24 +1,5 @@
 """Checkpoint files: one format for every strategy, written atomically, read with weights_only=True.
-
-A checkpoint is a plain dict that `torch.load(weights_only=True)` can read:
-    version          format version (CHECKPOINT_VERSION)
-    state_dict       the whole model under plain keys (no `module.` or stage prefixes)
-    optimizer_states one state_dict per optimizer, parameters keyed as in a single-device run
-    lr_schedulers    one state_dict per scheduler
-    precision        grad-scaler state ({} without one)
-    loops            epoch, global_step, batches consumed in the current epoch, sampler seed, the
-                     lr_scaling factor the saved rates carry, the run's version, each rank's running
-                     epoch metrics
-    callbacks        {callback.state_key: its state_dict()}
-    loggers          {index: logger state_dict()}
-    rng              one entry per global rank (python, numpy, torch, cuda)
-    hparams          the module's saved hyperparameters (also under Lightning's name, hyper_parameters)
-    epoch, global_step  Lightning's top-level counters (the same as loops' progress)
-    hparams_repr     the hparams keys stored as their repr (values that are not plain data), which
-                     load_from_checkpoint must be given again; absent from checkpoints written before it
-A weights-only checkpoint (`save_checkpoint(path, weights_only=True)`) holds version, epoch, global_step,
-state_dict and the hparams: enough to evaluate or load the model, not to resume a fit.
-"""
+The keys of the format and the durability rules are in docs/checkpoints.md."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""Starting the processes of a job when the script was not started by a launcher.
-
-`Trainer(strategy="ddp", devices=N)` in a script run as `python train.py` (or through the `trainer`
-command) runs torch's elastic agent, the engine behind torchrun, inside the calling process: it spawns N
-workers, each runs the stage, and the caller receives rank 0's outcome, so after `trainer.fit(module)`
-returns, `module` holds the trained weights. With `num_nodes=M > 1` the same script runs on every node
-with MASTER_ADDR and MASTER_PORT (node 0's address and a free port) and NODE_RANK set; the nodes meet
-there and node 0 holds global rank 0; the script on every node gets the trained weights back.
-`max_restarts` restarts the whole group when a worker dies; the restarted workers resume from the newest
-good checkpoint of the same run folder (trainer/faults.py). SIGTERM to the launching process reaches
-the workers too: they save last.ckpt together and the launching process exits with code 143 (130 for
-Ctrl-C's SIGINT).
-
-Workers are started with "spawn": each is a fresh interpreter that re-imports the script (as
-`__mp_main__`) and then unpickles the trainer, module and datamodule. Therefore:
-- the script must start training under `if __name__ == "__main__":`, or every worker would start the
-  job again; a script without that guard gets a clear error before any process starts;
-- classes defined in the script are fine (the re-import defines them again), objects that cannot be
-  pickled (lambdas, open files) are not (the error names the part that fails);
-- top-level code of the script runs once more in every worker;
-- classes defined in a notebook cannot reach the workers (nothing re-imports a notebook): import them
-  from a module, or run the script with torchrun.
-
-Each worker gets OMP_NUM_THREADS=1 and torch uses cores // local processes threads, unless the user set
-OMP_NUM_THREADS. Only rank 0 prints; the others' output goes to a temporary folder, named in the error if
-one of them fails. A worker that raises stops the job within seconds and its exception is raised here
-once, with the worker's traceback as its cause.
-"""
+"""Starting the processes of a job (torch's elastic agent, in the calling process) when no launcher did.
+What that asks of a script (the `__main__` guard, picklable objects) is in docs/strategies.md#launching."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """Distributed data parallel: one process per device, gradients all-reduced by torch's DDP.
-
-How the data is split (every rank builds its loaders through Strategy.prepare_loader):
-- `batch_size` is per process. One optimizer step sees batch_size * world_size * accumulate_grad_batches
-  samples (the global batch); `lr_scaling` can scale the learning rate to match.
-- Training: a DistributedSampler seeded by `seed` and re-seeded with `set_epoch` every epoch gives each
-  rank a disjoint 1/world_size share, so an epoch still covers the dataset once, split across ranks.
-  DistributedSampler pads the last share with repeated samples so that every rank runs the same number of
-  steps (`drop_last=True` on the loader drops the tail instead).
-- Validation and test: each rank takes every world_size-th sample, neither padded nor dropped, so ranks
-  may run one batch more or fewer and each sample counts exactly once; epoch metrics (sync_dist=True or
-  torchmetrics) are reduced over all ranks' samples, weighted by the samples each rank saw.
-- Predict: each rank predicts its share as for validation; `predict` then returns all of them on every
-  rank (and in the script that started the processes), in the loader's order and batch size, on the CPU:
-  what one process would have returned (trainer/data.py, merge_prediction_shares).
-
-Started by the Trainer itself (`python train.py`, see trainer/launcher.py), or already by torchrun,
-SLURM's srun or mpirun (see trainer/environment.py).
-"""
+How the data is split between ranks (train, validation, predict): docs/data-and-sharding.md."""
 
 from __future__ import annotations
 

@@ -1,38 +1,5 @@
-"""Pipeline parallelism: the model cut into consecutive stages, one process per stage, trained with
-torch.distributed.pipelining's micro-batch schedules; optionally replicated (pipeline x data parallel).
-
-What a TrainModule provides (see TrainModule.pipeline_loss / pipeline_input):
-    pipeline_input(batch)         what the first stage consumes (default: batch[0])
-    pipeline_loss(output, batch)  the mean loss of one micro-batch on the last stage. Keep it pure (no self.log):
-                                  the schedule may also call it once on placeholder data to infer shapes.
-    pipeline_stages(num_stages)   optional: the stages as modules, when the forward is not a plain chain
-                                  of children (see pipeline_split.py for the default cut).
-
-How the loop's calls map onto the pipeline:
-    training      training_step is not called. The schedule runs forward and backward over the micro-batches;
-                  the batch's mean loss is logged as `train/loss` (progress bar), returned to the loop on every
-                  rank, and handed to on_before_backward there (after the schedule's backward: it does both).
-                  Manual optimization and precision="16-mixed" are not supported.
-    validate/test forward only. The last stage calls `module.pipeline_validation_step(output, batch, batch_idx)`
-                  (or `pipeline_test_step`) when the module defines it, else logs `pipeline_loss(output, batch)`
-                  as `val/loss` / `test/loss`. Its `self.log` calls are sent to every stage of its replica and
-                  replayed there, so rank 0 (the first stage) logs and shows them. A torchmetrics Metric logged
-                  there travels as its batch value (epoch value: the batch-size-weighted mean).
-    predict       the last stage's output for pipeline_input(batch), on every rank.
-
-Micro-batches: the training batch size must be a multiple of `microbatches`. An epoch's shorter last batch and
-evaluation batches are cut into the largest count up to `microbatches` that divides them evenly.
-
-Mesh: world = stages x replicas as a ("dp", "pp") DeviceMesh; rank r is stage r % stages of replica
-r // stages. Each replica loads its own shard; every stage of a replica loads the same batches (the first
-stage needs the input, the last the target). Stage gradients are averaged over the replicas; clipping by
-norm uses the norm of the whole model. A rank moves only its own stages to its device: the other stages'
-parameters stay where the module was built and are not updated there during the fit; when it ends, every
-rank's module gets the whole trained model (under torchrun each rank's script holds it).
-
-Checkpoints gather every stage's weights and optimizer state, so they hold the whole model under the keys of
-a single-device run and load into any strategy (and back).
-"""
+"""Pipeline parallelism: the model cut into stages, one process per stage, trained with torch.distributed.pipelining's
+micro-batch schedules, optionally x data parallel. What a module provides and how the loop maps: docs/strategies.md."""
 
 from __future__ import annotations
 

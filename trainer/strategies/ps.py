@@ -1,44 +1,5 @@
 """Parameter-server training on torch.distributed.rpc: workers run at their own pace.
-
-    Trainer(strategy="ps", devices=3)                                  # 1 server, 2 asynchronous workers
-    Trainer(strategy={"name": "ps", "ps_servers": 2, "staleness": 4}, devices=6)
-
-Roles come from the rank layout: the first `ps_servers` ranks are servers, the others workers; worker 0
-(the chief) is the loop's rank 0: it logs, writes checkpoints and prints (`is_global_zero`), and the
-launcher shows its output and hands its final state to the caller (`reporting_rank`).
-
-- Servers hold the parameters, sharded by tensor (balanced by number of values), and the optimizer:
-  each rebuilds `type(opt)(param_groups, **opt.defaults)` of the optimizer configure_optimizers built
-  on the workers (see ps_server.py for how it applies gradients).
-- Workers pull the current parameters before a step, compute gradients on their data, and push them
-  with their param groups' current hyperparameters (so schedulers and warm-up, which run on the workers,
-  set the rate). A push does not wait for other workers; a pull waits only as long as `staleness` asks.
-- `staleness`: 0 is synchronous (the average of every worker's gradient per step: the same training as
-  ddp over the same batches, except that gradient_clip_val clips each worker's gradient before the
-  average, where ddp clips the average); S >= 1 lets a worker run at most S steps ahead of the slowest, and a
-  gradient computed on parameters more than S updates old is dropped or down-weighted
-  (`stale_gradients`), counted in `ps/stale_gradients`; None: no bound at all. Each step logs
-  `ps/staleness`, the updates applied between the pull and the push of its gradient.
-- Data: synchronous and bounded modes split each epoch into fixed per-worker shards as ddp does. With
-  staleness=None workers claim batches from server 0 as they go (`dynamic_batches`), so a slow worker
-  takes fewer batches instead of making the epoch last longer; its training loader then has no length
-  and cannot resume in mid-epoch (checkpoints at epoch ends resume).
-
-  A bound absorbs passing slowness (a worker may fall S steps behind); a worker that stays slow holds the
-  others to its pace in the long run, and only staleness=None lets the fast ones do more of the work.
-
-How a server goes through `Trainer._run`: the contract's `serve()` runs right after `setup_environment`
-on every rank; on a server it answers the workers until all of them are done and returns True, and the
-Trainer skips the stage there (no data, loop, callbacks or logs; under torchrun or srun, where every rank
-runs the script, fit/validate/test/predict return None on a server rank). Workers make the process group
-alone, so collectives (metric reduction, torchmetrics sync, barriers) and every rank count in the loop
-see the workers only: `global_rank`, `world_size` and `local_rank` count workers.
-
-Checkpoints hold the full model under plain keys and the optimizer state in the layout of the user's
-optimizer on one device, so a ps run resumes from any strategy's checkpoint and its checkpoints load
-anywhere. Buffers (BatchNorm statistics) are not shared: each worker keeps its own; checkpoints hold the
-chief's. Validation runs on every worker's share with the parameters it last pulled.
-"""
+Roles, staleness modes, data and checkpoints: docs/strategies.md#ps."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """The server side of strategy="ps": one shard of the parameters with its optimizer, and the RPC entry points.
-
-A shard applies what the workers push under one lock, in one of three modes (the strategy's `staleness`):
-    0      synchronous rounds: the gradients of one step from every worker are averaged (in worker order)
-           into one update; a worker's pull for its next step waits for the round to be applied;
-    S >= 1 bounded staleness: each gradient is applied when it arrives; a worker may start a step only
-           while it is at most S steps ahead of the slowest worker still training (stale synchronous
-           parallel). A gradient computed on parameters more than S updates old is dropped or applied
-           with its learning rate times S / staleness (`stale_gradients`), and counted;
-    None   fully asynchronous: nobody waits; each gradient is applied when it arrives.
-Server 0 also hands out training batches when workers claim them (`claim`), so that under `None` a fast
-worker trains on more of each epoch than a slow one.
-
-torch.distributed.rpc runs a request by calling a module-level function in the receiving process, so a
-server process keeps the shard it serves in `_SERVED` (set before it joins RPC, cleared when it leaves),
-where `on_shard` finds it. RRefs would spare that lookup, but torch binds its RRef bookkeeping to a
-process's first RPC session: after `rpc.shutdown()` and a new `init_rpc` (a script that fits twice under
-torchrun) every RRef message fails with "RPC is no longer running on this node". Plain calls survive that.
-"""
+The staleness modes it applies, and why it keeps its shard in `_SERVED` rather than in RRefs: docs/strategies.md#ps."""
 
 from __future__ import annotations
 
