@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from trainer.cli import main
@@ -411,3 +413,55 @@ def test_readme_python_example_runs(tmp_path):
     exec(compile(example, "README.md", "exec"), namespace)  # trains 3 epochs on random data
     run = tmp_path / "runs" / "default" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "hparams.yaml").read_text().strip() == "lr: 0.01"
+
+
+# --------------------------------------------------------------------------- first hour: speed and edges
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["fit", "--help"], ["config", "--help"], ["plot", "--help"],
+                                  ["config", "--reference"]])
+def test_help_and_the_options_reference_import_no_torch(argv):
+    # torch takes seconds to import; a user reading the help, or the options, must not wait for it.
+    code = ("import sys; from trainer.cli import main; status = main(sys.argv[1:]); "
+            "loaded = sorted(name for name in sys.modules if name.split('.')[0] == 'torch'); "
+            "print('TORCH:', loaded[:5]); raise SystemExit(status)")
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "TORCH: []"
+    assert ("| `devices` | int | `1` |" in result.stdout) if "--reference" in argv else ("usage: trainer" in result.stdout)
+
+
+def test_devices_auto_is_accepted_in_a_recipe_as_in_python(recipes_here):
+    from trainer.config import make_config
+
+    one_process_per_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert make_config({"devices": "auto"}).devices == one_process_per_gpu
+    assert load_recipe(["good.yaml", "trainer.devices=auto"]).trainer.devices == one_process_per_gpu
+    (recipes_here / "auto.yaml").write_text("trainer: {devices: auto, accelerator: cpu}\n")
+    assert load_recipe(["good.yaml", "auto.yaml"]).trainer.devices == 1  # on CPU: one process
+    assert main(["fit", "good.yaml", "trainer.devices=many"]) == 2  # anything else is still refused
+
+
+def test_a_negative_learning_rate_is_one_line_before_anything_runs(recipes_here, capsys):
+    assert main(["fit", "good.yaml", "model.init_args.lr=-1", "trainer.enable_progress_bar=false"]) == 2
+    assert capsys.readouterr().err == ("trainer fit: error: DigitsCNN: lr=-1 must be a positive learning rate "
+                                       "(model.init_args.lr in a recipe).\n")
+    assert not (recipes_here / "runs").exists()
+
+
+def test_a_warning_shown_by_the_command_is_one_line_without_a_python_location(recipes_here, capsys):
+    (recipes_here / "warns_models.py").write_text(
+        "import warnings\nfrom recipes.digits import DigitsCNN\n\n"
+        "class Warns(DigitsCNN):\n    def __init__(self, **kwargs):\n"
+        "        warnings.warn('widths above 64 are slow on CPU')\n        super().__init__(**kwargs)\n")
+    argv = ["validate", "good.yaml", "model.class_path=warns_models.Warns", "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "Warning: widths above 64 are slow on CPU\n" in err
+    assert "warns_models.py" not in err and "warnings.warn(" not in err
+    # Outside the command, Python's own format (file:line) is back.
+    with pytest.warns(UserWarning) as record:
+        __import__("warns_models").Warns()
+    assert "warns_models.py:6" in warnings.formatwarning(record[0].message, record[0].category, record[0].filename,
+                                                         record[0].lineno)
