@@ -10,6 +10,17 @@ Sources apply left to right: recipe files merge, `dotted.key=value` overrides se
 (parsed as YAML). `${...}` interpolations resolve after the last source, so an override can change
 what they point at. Every class and init argument is checked against the class signature here, in
 the calling process, so a typo fails in a second instead of after a process group has started.
+
+Mappings merge key by key; lists are values and a later source replaces them whole, as in
+LightningCLI and Hydra. The callbacks list can also be appended to, with LightningCLI's `+`:
+
+    callbacks:  [...]      in a later file: replaces the list before it (a warning names each class it drops)
+    callbacks+: [...]      in a later file: appends its entries to the list before it
+    callbacks+={class_path: callbacks.EarlyStopping, init_args: {monitor: val/loss}}    an override that
+                           appends one entry (or a list of entries)
+    callbacks.0.init_args.monitor=val/acc    an override that changes entry 0 in place
+
+A file may hold both keys: `callbacks` replaces first, then `callbacks+` appends.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import io
 import re
 import types
 import typing
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,11 +50,13 @@ from trainer.module import TrainModule
 from trainer.strategies import build_strategy
 
 TOP_LEVEL_KEYS = ("trainer", "model", "data", "callbacks", "ckpt_path")
+APPEND = "callbacks+"  # the key (in a file) or override key that appends to the callbacks list
 CLASS_KEYS = ("class_path", "init_args")
 SECTION_BASES: dict[str, type] = {"model": TrainModule, "data": DataModule, "callbacks": Callback}
 # __init__s that take no user arguments: **kwargs that would reach them are the subclass's own.
 _ARGLESS_BASES = (object, nn.Module, TrainModule, DataModule, Callback)
 _KEY = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*(\.\w+)*\+?")  # a trailing + appends (callbacks+=...)
 
 
 @dataclass
@@ -99,13 +113,19 @@ def load_recipe(sources: Sequence[str | Path]) -> Recipe:
     if not any(not is_override(str(source)) for source in sources):
         raise MisconfigurationError("no recipe file given; e.g. `trainer fit recipes/digits.yaml trainer.max_epochs=3`.")
     for source in map(str, sources):
-        if is_override(source):
+        if is_override(source) and source.startswith(APPEND + "="):
+            _append_callbacks(merged, _parse_override_value(source), f"override {source!r}")
+        elif is_override(source):
             _apply_override(merged, source)
         else:
             layer = read_recipe_file(source)
+            appended = layer.pop(APPEND, None)
             _check_keys(layer, source)
+            _warn_dropped_callbacks(merged, layer, source, stacklevel=2)  # the caller of load_recipe
             _reset_changed_classes(merged, layer)
             merged = OmegaConf.merge(merged, layer)
+            if appended is not None:
+                _append_callbacks(merged, appended, f"{source}: {APPEND}")
     _fill_defaults(merged)
     resolved = OmegaConf.to_container(merged, resolve=True)
     return _build(resolved)
@@ -131,9 +151,39 @@ def _fill_defaults(merged: DictConfig) -> None:
 
 
 def is_override(token: str) -> bool:
-    """`dotted.key=value` (a path that merely contains '=' is not one)."""
+    """`dotted.key=value` or `callbacks+=value` (a path that merely contains '=' is not one)."""
     key, eq, _ = token.partition("=")
-    return bool(eq) and _KEY.fullmatch(key) is not None
+    return bool(eq) and (_KEY.fullmatch(key) is not None or key == APPEND)
+
+
+def _append_callbacks(merged: DictConfig, entries: Any, where: str) -> None:
+    """Append one callback entry, or a list of them, to the merged callbacks list."""
+    if isinstance(entries, DictConfig | dict):
+        entries = [entries]
+    if not isinstance(entries, ListConfig | list):
+        raise MisconfigurationError(f"{where}: appends a {{class_path: ..., init_args: ...}} entry or a list of them; "
+                                    f"got {entries!r}.")
+    new = OmegaConf.to_container(OmegaConf.create(list(entries)), resolve=False)  # interpolations resolve at the end
+    for index, item in enumerate(new):
+        for key in item if isinstance(item, dict) else []:
+            _check_path(["callbacks", str(index), str(key)], where)
+    old = merged.get("callbacks")
+    merged.callbacks = [*(OmegaConf.to_container(old, resolve=False) if isinstance(old, ListConfig) else []), *new]
+
+
+def _warn_dropped_callbacks(merged: DictConfig, layer: DictConfig, source: str, stacklevel: int) -> None:
+    """A layer's callbacks list replaces the list before it: warn naming each class that is then gone."""
+    old, new = merged.get("callbacks"), layer.get("callbacks")
+    if not isinstance(old, ListConfig) or not isinstance(new, ListConfig):
+        return
+    old_entries, new_entries = (OmegaConf.to_container(entries, resolve=False) for entries in (old, new))
+    kept = {entry.get("class_path") for entry in new_entries if isinstance(entry, dict)}
+    dropped = [str(entry.get("class_path")) for entry in old_entries
+               if isinstance(entry, dict) and entry.get("class_path") not in kept]
+    if dropped:
+        warnings.warn(f"{source}: its callbacks list replaces the one before it, which drops {', '.join(dropped)}; "
+                      f"to add to the list instead, write '{APPEND}:' in a file or {APPEND}=... as an override.",
+                      UserWarning, stacklevel=stacklevel + 1)
 
 
 def read_recipe_file(path_text: str) -> DictConfig:
@@ -247,6 +297,26 @@ _SEXAGESIMAL = re.compile(r"^\s*[-+]?\d+(:\d+)+\s*$")
 def _apply_override(merged: DictConfig, token: str) -> None:
     key, _, text = token.partition("=")
     _check_path(key.split("."), f"override {token!r}")
+    value = _parse_override_value(token)
+    parts = key.split(".")
+    if parts[0] == "callbacks" and len(parts) > 1 and parts[1].isdigit():
+        count = len(merged.get("callbacks") or [])
+        if int(parts[1]) >= count:
+            have = f"callbacks.0 to callbacks.{count - 1}" if count else "none"
+            raise MisconfigurationError(f"override {token!r}: the recipe has {count} callback(s) ({have}); an override "
+                                        "changes an entry, a new callback goes in a recipe file's callbacks list "
+                                        f"(or {APPEND}: there), or an override {APPEND}={{class_path: ...}} appends one.")
+    layer = OmegaConf.create(_nest(parts, value))
+    if "." not in key:  # a whole section (`trainer=3`) must have the section's shape
+        _check_keys(layer, f"override {token!r}")
+        _warn_dropped_callbacks(merged, layer, f"override {token!r}", stacklevel=3)  # the caller of load_recipe
+    _reset_changed_classes(merged, layer)
+    OmegaConf.update(merged, key, value, merge=True)
+
+
+def _parse_override_value(token: str) -> Any:
+    """The value of `key=value`, parsed as YAML; interpolations stay unresolved."""
+    key, _, text = token.partition("=")
     # Parse the value the way omegaconf parses a dotlist (YAML), without resolving interpolations yet.
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]), resolve=False)["value"]
@@ -260,18 +330,7 @@ def _apply_override(merged: DictConfig, token: str) -> None:
         reason = " ".join(str(err).split())
         raise MisconfigurationError(f"override {token!r}: the value is not valid YAML ({reason}); quote it: "
                                     f"{key}=\"'{text}'\".") from err
-    parts = key.split(".")
-    if parts[0] == "callbacks" and len(parts) > 1 and parts[1].isdigit():
-        count = len(merged.get("callbacks") or [])
-        if int(parts[1]) >= count:
-            have = f"callbacks.0 to callbacks.{count - 1}" if count else "none"
-            raise MisconfigurationError(f"override {token!r}: the recipe has {count} callback(s) ({have}); an override "
-                                        "changes an entry, a new callback goes in a recipe file's callbacks list.")
-    layer = OmegaConf.create(_nest(parts, value))
-    if "." not in key:  # a whole section (`trainer=3`) must have the section's shape
-        _check_keys(layer, f"override {token!r}")
-    _reset_changed_classes(merged, layer)
-    OmegaConf.update(merged, key, value, merge=True)
+    return value
 
 
 def _nest(parts: list[str], value: Any) -> dict[str, Any]:
