@@ -713,3 +713,28 @@ def test_files_are_fsynced_before_their_rename_and_the_folder_once_as_the_fit_en
     folder_syncs = [i for i, (path, _) in enumerate(synced) if path == str(folder)]
     last_file_sync = max(i for i, (path, _) in enumerate(synced) if path.startswith(str(folder) + "/"))
     assert len(folder_syncs) == 1 and folder_syncs[0] > last_file_sync
+
+
+def test_a_corrupt_checkpoint_message_ends_with_whole_sentences(tmp_path):
+    # torch's reason is a page of advice; the message keeps its first sentence whole, never a cut-off one.
+    torch.save({"state_dict": {"weight": torch.zeros(1000)}}, tmp_path / "small.ckpt")
+    data = (tmp_path / "small.ckpt").read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint_file(tmp_path / "cut.ckpt")
+    assert str(caught.value) == (f"checkpoint {str(tmp_path / 'cut.ckpt')!r} is truncated or corrupt and cannot be read "
+                                 "(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central "
+                                 "directory).")
+    trained_checkpoint(tmp_path / "trained.ckpt")
+    data = (tmp_path / "trained.ckpt").read_bytes()
+    (tmp_path / "cut_trained.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint_file(tmp_path / "cut_trained.ckpt")
+    cause = caught.value.__cause__
+    first_sentence = " ".join(str(cause).split()).split(". ")[0].rstrip(".")
+    assert str(caught.value).endswith(f"cannot be read ({type(cause).__name__}: {first_sentence}).")
+    # A torch file whose pickled part is damaged is corrupt too, not "objects that need full unpickling".
+    start = data.index(b"data.pkl") + 40
+    (tmp_path / "bitrot.ckpt").write_bytes(data[:start] + b"\xff" * 16 + data[start + 16:])
+    with pytest.raises(CheckpointError, match=r"bitrot\.ckpt' is truncated or corrupt and cannot be read \(.*\)\.$"):
+        load_checkpoint_file(tmp_path / "bitrot.ckpt")
