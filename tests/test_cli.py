@@ -142,7 +142,8 @@ def test_a_duration_in_a_recipe_file_is_a_duration_not_a_yaml_base_60_number(rec
         "  - class_path: callbacks.Timer\n    init_args: &timer {duration: 2:00:00:00, interval: step}\n"
         "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, interval: epoch}\n"
         "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, duration: 3:00:00:00}\n")
-    recipe = load_recipe(["good.yaml", "timed.yaml"])
+    with pytest.warns(UserWarning, match="replaces the one before it, which drops callbacks.ModelCheckpoint"):
+        recipe = load_recipe(["good.yaml", "timed.yaml"])
     assert recipe.trainer.max_time == "1:12:00:00"  # YAML alone: 259200 seconds, three days
     assert parse_duration(recipe.trainer.max_time) == 36 * 3600
     # The list replaces good.yaml's; a `<<` merge brings the text along, and a key set beside it wins.

@@ -229,6 +229,6 @@ def test_a_warning_from_inside_a_fit_is_shown_without_a_framework_location():
     assert shown == f"UserWarning: {caught.message}\n"  # no trainer/loop.py:NNN, no source line
     # A warning located in the user's code keeps Python's format: file, line and source.
     with pytest.warns(UserWarning) as record:
-        warnings.warn("the user's own warning")
+        warnings.warn("the user's own warning", stacklevel=1)  # located here, in the test
     shown = warnings.formatwarning(record[0].message, record[0].category, record[0].filename, record[0].lineno)
     assert shown.startswith(f"{__file__}:{record[0].lineno}: UserWarning: the user's own warning\n")
