@@ -175,6 +175,7 @@ def test_a_literal_dollar_brace_survives_the_saved_config(recipes_here):
     assert load_recipe(["saved.yaml"]).to_dict() == recipe.to_dict()
 
 
+@pytest.mark.slow  # a new Python process that imports torch
 def test_console_script_reports_one_line(recipes_here):
     script = Path(sys.executable).with_name("trainer")
     done = subprocess.run([str(script), "fit", "good.yaml", "model.init_args.lrr=1"], capture_output=True, text=True,
@@ -187,6 +188,7 @@ def test_console_script_reports_one_line(recipes_here):
     assert not (recipes_here / "runs").exists()
 
 
+@pytest.mark.slow  # a new Python process that imports torch
 def test_python_dash_m_prints_the_resolved_config(recipes_here):
     done = subprocess.run([sys.executable, "-m", "trainer", "config", "good.yaml", "trainer.max_epochs=7"],
                           capture_output=True, text=True, timeout=60)
@@ -322,6 +324,7 @@ def test_saved_config_is_the_resolved_recipe(recipes_here):
     assert not list((recipes_here / "runs" / "good" / "version_0").glob("*.tmp"))
 
 
+@pytest.mark.slow  # two CLI fits
 def test_a_resume_refused_for_misfit_weights_leaves_the_runs_files_as_they_were(recipes_here, capsys):
     quiet = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "trainer.enable_model_summary=false"]
     assert main(["fit", "good.yaml", *quiet]) == 0
@@ -348,6 +351,7 @@ def write_metrics(folder: Path, header: list[str], rows: list[list[object]]) -> 
     (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow  # imports matplotlib and draws: seconds
 def test_plot_draws_one_panel_per_metric_one_line_per_run(tmp_path, capsys):
     image_module = pytest.importorskip("matplotlib.image")
     header = ["step", "train/loss", "epoch", "val/loss", "val/acc"]

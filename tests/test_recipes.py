@@ -73,6 +73,7 @@ def test_digits_recipe_reaches_97_percent(tmp_path):
     assert accuracy >= 0.97 and len(labels) == 359
 
 
+@pytest.mark.slow  # four CLI runs of the digits recipe
 def test_digits_config_yaml_reruns_resumes_and_predicts(tmp_path):
     root = tmp_path / "runs" / "digits"
     assert main(["fit", DIGITS, *SHORT_DIGITS]) == 0
