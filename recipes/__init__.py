@@ -22,7 +22,8 @@ def check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:
 def check_optimizer_args(owner: str, lr: float, weight_decay: float) -> None:
     """Reject optimizer arguments torch would only refuse once the fit starts, with a traceback."""
     if not lr > 0:  # also catches NaN
-        raise MisconfigurationError(f"{owner}: lr={lr} must be a positive learning rate (model.init_args.lr in a recipe).")
+        raise MisconfigurationError(f"{owner}: lr={lr} must be a positive learning rate "
+                                    "(model.init_args.lr in a recipe).")
     if not weight_decay >= 0:
         raise MisconfigurationError(f"{owner}: weight_decay={weight_decay} must be 0 or more "
                                     "(model.init_args.weight_decay in a recipe).")

@@ -71,8 +71,8 @@ class DigitsData(DataModule):
     """The digits as in-memory tensors, split by a fixed seed into train, validation (val_fraction) and a held-out
     test set (test_fraction) that neither training nor validation sees; predict uses the validation set."""
 
-    def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float = 0.2, test_fraction: float = 0.1,
-                 split_seed: int = 0) -> None:
+    def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float = 0.2,
+                 test_fraction: float = 0.1, split_seed: int = 0) -> None:
         super().__init__()
         check_loader_args(type(self).__name__, batch_size, num_workers)
         if not (val_fraction > 0 and test_fraction > 0 and val_fraction + test_fraction < 1):

@@ -384,7 +384,8 @@ def test_a_checkpoint_from_before_the_filename_joined_the_state_key_still_restor
             return {"n": 1}
 
     with pytest.warns(UserWarning, match=r"the checkpoint holds no state for the callback .*Counter .*starts afresh"):
-        make_trainer(tmp_path, [Counter()], max_epochs=4, enable_checkpointing=False).fit(Scripted([0.0] * 4), *loaders(), ckpt_path=tmp_path / "old.ckpt")
+        make_trainer(tmp_path, [Counter()], max_epochs=4, enable_checkpointing=False).fit(
+            Scripted([0.0] * 4), *loaders(), ckpt_path=tmp_path / "old.ckpt")
 
 
 def test_callbacks_whose_states_would_share_a_checkpoint_entry_are_refused():

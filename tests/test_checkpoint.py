@@ -723,9 +723,9 @@ def test_a_corrupt_checkpoint_message_ends_with_whole_sentences(tmp_path):
     (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint_file(tmp_path / "cut.ckpt")
-    assert str(caught.value) == (f"checkpoint {str(tmp_path / 'cut.ckpt')!r} is truncated or corrupt and cannot be read "
-                                 "(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central "
-                                 "directory).")
+    assert str(caught.value) == (
+        f"checkpoint {str(tmp_path / 'cut.ckpt')!r} is truncated or corrupt and cannot be read "
+        "(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory).")
     trained_checkpoint(tmp_path / "trained.ckpt")
     data = (tmp_path / "trained.ckpt").read_bytes()
     (tmp_path / "cut_trained.ckpt").write_bytes(data[: len(data) // 2])

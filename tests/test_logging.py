@@ -226,7 +226,8 @@ def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_pa
     from trainer.logging import CSVLogger
 
     train, _ = datasets
-    trainer = Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="x", version="baseline"), log_every_n_steps=1, **QUIET)
+    trainer = Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="x", version="baseline"), log_every_n_steps=1,
+                      **QUIET)
     trainer.fit(Classifier(), DataLoader(train, batch_size=8))
     assert (tmp_path / "x" / "baseline" / "metrics.csv").is_file()
 

@@ -75,7 +75,8 @@ class TrainerConfig:
     fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
     accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
     strategy: Any = _opt("auto", "'single', 'dp', 'ddp', 'pipeline', 'ps', or {name: ..., options...}.")
-    devices: Any = _opt(1, "Devices (processes for ddp) per node; 'auto': every GPU when on GPUs, else 1.", shown_type="int")
+    devices: Any = _opt(1, "Devices (processes for ddp) per node; 'auto': every GPU when on GPUs, else 1.",
+                        shown_type="int")  # omegaconf would refuse 'auto' in a recipe as not an int
     num_nodes: int = _opt(1, "Number of nodes.")
     lr_scaling: str = _opt("none", f"Scale learning rates by the data-parallel size: {', '.join(LR_SCALINGS)}.")
     lr_warmup_steps: int = _opt(0, "Steps of linear warm-up from the base to the scaled learning rate.")

@@ -308,7 +308,8 @@ def _apply_override(merged: DictConfig, token: str, dropped: list[str]) -> None:
             have = f"callbacks.0 to callbacks.{count - 1}" if count else "none"
             raise MisconfigurationError(f"override {token!r}: the recipe has {count} callback(s) ({have}); an override "
                                         "changes an entry, a new callback goes in a recipe file's callbacks list "
-                                        f"(or {APPEND}: there), or an override {APPEND}={{class_path: ...}} appends one.")
+                                        f"(or {APPEND}: there), or an override {APPEND}={{class_path: ...}} "
+                                        "appends one.")
     layer = OmegaConf.create(_nest(parts, value))
     if "." not in key:  # a whole section (`trainer=3`) must have the section's shape
         _check_keys(layer, f"override {token!r}")
