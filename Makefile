@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 # pip takes the CPU wheel on disk instead of resolving a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+# Tests marked slow start processes (ddp, ps, pipeline, torchrun, faults) and run one at a time: two of
+# them at once would put 4+ processes on the 2 cores of a small machine and risk their timeouts.
+# The in-process tests are independent (each runs in its own folder) and share the cores on 2 workers.
+WORKERS ?= 2
+
+.PHONY: setup demo test test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -19,9 +24,18 @@ setup: $(BIN)/.installed
 
 demo: setup
 	$(BIN)/trainer fit recipes/digits.yaml recipes/digits_ddp.yaml
+	@echo
+	@echo "The trainer command lives in $(BIN)/: run '. $(BIN)/activate' to put it on PATH in this shell,"
+	@echo "then try 'trainer --help' (or call $(BIN)/trainer directly)."
 
+# The whole suite: the in-process tests on $(WORKERS) workers, then the slow (multi-process) tests one at a time.
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not slow" -n $(WORKERS); fast=$$?; $(BIN)/pytest -q -m slow; slow=$$?; \
+	exit $$(( fast || slow ))
+
+# The developer loop: everything but the slow tests (a few minutes on 2 cores).
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow" -n $(WORKERS)
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py

@@ -17,3 +17,13 @@ def check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:
     if num_workers < 0:
         raise MisconfigurationError(f"{owner}: num_workers={num_workers} must be 0 or more "
                                     "(data.init_args.num_workers in a recipe).")
+
+
+def check_optimizer_args(owner: str, lr: float, weight_decay: float) -> None:
+    """Reject optimizer arguments torch would only refuse once the fit starts, with a traceback."""
+    if not lr > 0:  # also catches NaN
+        raise MisconfigurationError(f"{owner}: lr={lr} must be a positive learning rate "
+                                    "(model.init_args.lr in a recipe).")
+    if not weight_decay >= 0:
+        raise MisconfigurationError(f"{owner}: weight_decay={weight_decay} must be 0 or more "
+                                    "(model.init_args.weight_decay in a recipe).")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from recipes import check_loader_args
+from recipes import check_loader_args, check_optimizer_args
 from trainer import DataModule, TrainModule
 from trainer.errors import MisconfigurationError
 
@@ -104,6 +104,7 @@ class CharLM(TrainModule):
                  lr: float = 2e-3, weight_decay: float = 0.01, max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: int | None = 20) -> None:
         super().__init__()
+        check_optimizer_args(type(self).__name__, lr, weight_decay)
         if width % heads:
             raise MisconfigurationError(f"width={width} must be divisible by heads={heads}.")
         self.save_hyperparameters()

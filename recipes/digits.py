@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from recipes import check_loader_args
+from recipes import check_loader_args, check_optimizer_args
 from trainer import DataModule, TrainModule
 from trainer.errors import MisconfigurationError
 
@@ -22,6 +22,7 @@ class DigitsCNN(TrainModule):
     def __init__(self, channels: int = 32, hidden: int = 128, dropout: float = 0.25, lr: float = 2e-3,
                  weight_decay: float = 1e-4) -> None:
         super().__init__()
+        check_optimizer_args(type(self).__name__, lr, weight_decay)
         self.save_hyperparameters()
         self.features = nn.Sequential(
             nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
@@ -67,14 +68,21 @@ class DigitsCNN(TrainModule):
 
 
 class DigitsData(DataModule):
-    """The digits as in-memory tensors, split 80/20 (train/val) by a fixed seed; test and predict use val."""
+    """The digits as in-memory tensors, split by a fixed seed into train, validation (val_fraction) and a held-out
+    test set (test_fraction) that neither training nor validation sees; predict uses the validation set."""
 
-    def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float = 0.2, split_seed: int = 0) -> None:
+    def __init__(self, batch_size: int = 64, num_workers: int = 0, val_fraction: float = 0.2,
+                 test_fraction: float = 0.1, split_seed: int = 0) -> None:
         super().__init__()
         check_loader_args(type(self).__name__, batch_size, num_workers)
+        if not (val_fraction > 0 and test_fraction > 0 and val_fraction + test_fraction < 1):
+            raise MisconfigurationError(f"{type(self).__name__}: val_fraction={val_fraction} and test_fraction="
+                                        f"{test_fraction} must be positive and leave images to train on "
+                                        "(data.init_args in a recipe).")
         self.save_hyperparameters()
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
+        self.test_set: TensorDataset | None = None
 
     def setup(self, stage: str) -> None:
         try:
@@ -86,12 +94,14 @@ class DigitsData(DataModule):
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
         labels = torch.tensor(digits.target, dtype=torch.long)
-        # A fixed permutation, independent of the trainer's seed: every run validates on the same images.
+        # A fixed permutation, independent of the trainer's seed: every run validates and tests on the same images.
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.hparams.split_seed))
-        num_val = round(len(labels) * self.hparams.val_fraction)
-        val, train = order[:num_val], order[num_val:]
+        num_val, num_test = (round(len(labels) * fraction) for fraction in (self.hparams.val_fraction,
+                                                                             self.hparams.test_fraction))
+        val, test, train = order.split([num_val, num_test, len(order) - num_val - num_test])
         self.train_set = TensorDataset(images[train], labels[train])
         self.val_set = TensorDataset(images[val], labels[val])
+        self.test_set = TensorDataset(images[test], labels[test])
 
     def _loader(self, dataset: TensorDataset | None, shuffle: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=shuffle,
@@ -104,7 +114,7 @@ class DigitsData(DataModule):
         return self._loader(self.val_set, shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.test_set, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

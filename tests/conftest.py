@@ -19,3 +19,10 @@ def _isolated(tmp_path, monkeypatch):
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved_env)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that starts processes as slow: by the project's rule each one carries a timeout."""
+    for item in items:
+        if item.get_closest_marker("timeout") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -384,7 +384,8 @@ def test_a_checkpoint_from_before_the_filename_joined_the_state_key_still_restor
             return {"n": 1}
 
     with pytest.warns(UserWarning, match=r"the checkpoint holds no state for the callback .*Counter .*starts afresh"):
-        make_trainer(tmp_path, [Counter()], max_epochs=4).fit(Scripted([0.0] * 4), *loaders(), ckpt_path=tmp_path / "old.ckpt")
+        make_trainer(tmp_path, [Counter()], max_epochs=4, enable_checkpointing=False).fit(
+            Scripted([0.0] * 4), *loaders(), ckpt_path=tmp_path / "old.ckpt")
 
 
 def test_callbacks_whose_states_would_share_a_checkpoint_entry_are_refused():
@@ -452,7 +453,7 @@ def test_resume_keeps_top_k_bookkeeping(tmp_path):
 
     def run(max_epochs, ckpt_path=None):
         checkpoint = ModelCheckpoint(monitor="val/score", save_top_k=2, save_last=True)
-        trainer = make_trainer(tmp_path, [checkpoint], max_epochs=max_epochs, logger=True)
+        trainer = make_trainer(tmp_path, [checkpoint], max_epochs=max_epochs, logger=True, log_every_n_steps=1)
         trainer.fit(Scripted(scores), *loaders(), ckpt_path=ckpt_path)
         return checkpoint
 
@@ -703,7 +704,7 @@ class ManyGroups(Scripted):
 
 def test_lr_monitor_names_rates_as_lightning_does_and_logs_momentum_and_weight_decay(tmp_path):
     monitor = LearningRateMonitor(logging_interval="epoch", log_momentum=True, log_weight_decay=True)
-    trainer = make_trainer(tmp_path, [monitor], max_epochs=1, logger=True)
+    trainer = make_trainer(tmp_path, [monitor], max_epochs=1, logger=True, log_every_n_steps=1)
     module = ManyGroups()
     module.automatic_optimization = False  # four optimizers: stepped by hand (here: not at all)
     module.training_step = lambda batch, batch_idx: None

@@ -292,7 +292,7 @@ def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
         checkpoint = ModelCheckpoint(dirpath=where.get("dirpath"), save_last=True)
         trainer = Trainer(default_root_dir=str(tmp_path / "elsewhere"), max_epochs=max_epochs,
                           **{**QUIET, "enable_checkpointing": True, "logger": where.get("logger", False)},
-                          callbacks=[checkpoint, counted])
+                          callbacks=[checkpoint, counted], log_every_n_steps=1)
         trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path=ckpt_path)
         return trainer, counted
 
@@ -307,7 +307,7 @@ def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
 
 def test_fit_from_last_with_nothing_saved_starts_afresh_and_says_so(tmp_path):
     counted = BatchCount()
-    trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[counted], **QUIET)
+    trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[counted], log_every_n_steps=1, **QUIET)
     with pytest.warns(UserWarning, match='ckpt_path="last": no checkpoint matches .*, so this fit starts from the beginning'):
         trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path="last")
     assert counted.batches == 5
@@ -494,7 +494,7 @@ def test_state_a_checkpoint_could_not_be_loaded_from_is_refused_when_saving(tmp_
 
     for value, kind in ((np.float64(0.5), "numpy.float64"), (collections.deque([1]), "collections.deque")):
         trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[BestSoFar(value)],
-                          **{**QUIET, "enable_checkpointing": True})
+                          log_every_n_steps=1, **{**QUIET, "enable_checkpointing": True})
         with pytest.raises(MisconfigurationError, match=rf"the checkpoint's callbacks\['.*BestSoFar'\]\['history'\]\[1\]"
                                                         rf"\['best'\] is a {kind}, which checkpoints cannot hold"):
             trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
@@ -503,7 +503,8 @@ def test_state_a_checkpoint_could_not_be_loaded_from_is_refused_when_saving(tmp_
 
     assert unloadable({"layout": torch.strided, "size": torch.Size([2]), "kind": torch.float16, "n": {1, 2}}) is None
     fine = BestSoFar(torch.tensor(0.5))
-    Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[fine], **{**QUIET, "enable_checkpointing": True}).fit(
+    Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[fine], log_every_n_steps=1,
+            **{**QUIET, "enable_checkpointing": True}).fit(
         DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
     assert len(list(tmp_path.rglob("*.ckpt"))) == 2  # the epoch's file and last.ckpt
 
@@ -713,3 +714,28 @@ def test_files_are_fsynced_before_their_rename_and_the_folder_once_as_the_fit_en
     folder_syncs = [i for i, (path, _) in enumerate(synced) if path == str(folder)]
     last_file_sync = max(i for i, (path, _) in enumerate(synced) if path.startswith(str(folder) + "/"))
     assert len(folder_syncs) == 1 and folder_syncs[0] > last_file_sync
+
+
+def test_a_corrupt_checkpoint_message_ends_with_whole_sentences(tmp_path):
+    # torch's reason is a page of advice; the message keeps its first sentence whole, never a cut-off one.
+    torch.save({"state_dict": {"weight": torch.zeros(1000)}}, tmp_path / "small.ckpt")
+    data = (tmp_path / "small.ckpt").read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint_file(tmp_path / "cut.ckpt")
+    assert str(caught.value) == (
+        f"checkpoint {str(tmp_path / 'cut.ckpt')!r} is truncated or corrupt and cannot be read "
+        "(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory).")
+    trained_checkpoint(tmp_path / "trained.ckpt")
+    data = (tmp_path / "trained.ckpt").read_bytes()
+    (tmp_path / "cut_trained.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint_file(tmp_path / "cut_trained.ckpt")
+    cause = caught.value.__cause__
+    first_sentence = " ".join(str(cause).split()).split(". ")[0].rstrip(".")
+    assert str(caught.value).endswith(f"cannot be read ({type(cause).__name__}: {first_sentence}).")
+    # A torch file whose pickled part is damaged is corrupt too, not "objects that need full unpickling".
+    start = data.index(b"data.pkl") + 40
+    (tmp_path / "bitrot.ckpt").write_bytes(data[:start] + b"\xff" * 16 + data[start + 16:])
+    with pytest.raises(CheckpointError, match=r"bitrot\.ckpt' is truncated or corrupt and cannot be read \(.*\)\.$"):
+        load_checkpoint_file(tmp_path / "bitrot.ckpt")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from trainer.cli import main
@@ -140,7 +142,8 @@ def test_a_duration_in_a_recipe_file_is_a_duration_not_a_yaml_base_60_number(rec
         "  - class_path: callbacks.Timer\n    init_args: &timer {duration: 2:00:00:00, interval: step}\n"
         "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, interval: epoch}\n"
         "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, duration: 3:00:00:00}\n")
-    recipe = load_recipe(["good.yaml", "timed.yaml"])
+    with pytest.warns(UserWarning, match="replaces the one before it, which drops callbacks.ModelCheckpoint"):
+        recipe = load_recipe(["good.yaml", "timed.yaml"])
     assert recipe.trainer.max_time == "1:12:00:00"  # YAML alone: 259200 seconds, three days
     assert parse_duration(recipe.trainer.max_time) == 36 * 3600
     # The list replaces good.yaml's; a `<<` merge brings the text along, and a key set beside it wins.
@@ -172,6 +175,7 @@ def test_a_literal_dollar_brace_survives_the_saved_config(recipes_here):
     assert load_recipe(["saved.yaml"]).to_dict() == recipe.to_dict()
 
 
+@pytest.mark.slow  # a new Python process that imports torch
 def test_console_script_reports_one_line(recipes_here):
     script = Path(sys.executable).with_name("trainer")
     done = subprocess.run([str(script), "fit", "good.yaml", "model.init_args.lrr=1"], capture_output=True, text=True,
@@ -184,6 +188,7 @@ def test_console_script_reports_one_line(recipes_here):
     assert not (recipes_here / "runs").exists()
 
 
+@pytest.mark.slow  # a new Python process that imports torch
 def test_python_dash_m_prints_the_resolved_config(recipes_here):
     done = subprocess.run([sys.executable, "-m", "trainer", "config", "good.yaml", "trainer.max_epochs=7"],
                           capture_output=True, text=True, timeout=60)
@@ -319,6 +324,7 @@ def test_saved_config_is_the_resolved_recipe(recipes_here):
     assert not list((recipes_here / "runs" / "good" / "version_0").glob("*.tmp"))
 
 
+@pytest.mark.slow  # two CLI fits
 def test_a_resume_refused_for_misfit_weights_leaves_the_runs_files_as_they_were(recipes_here, capsys):
     quiet = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "trainer.enable_model_summary=false"]
     assert main(["fit", "good.yaml", *quiet]) == 0
@@ -345,6 +351,7 @@ def write_metrics(folder: Path, header: list[str], rows: list[list[object]]) -> 
     (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow  # imports matplotlib and draws: seconds
 def test_plot_draws_one_panel_per_metric_one_line_per_run(tmp_path, capsys):
     image_module = pytest.importorskip("matplotlib.image")
     header = ["step", "train/loss", "epoch", "val/loss", "val/acc"]
@@ -401,3 +408,56 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["plot", "run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trainer plot needs matplotlib: pip install 'trainer[plot]'" in err
+
+
+# --------------------------------------------------------------------------- first hour: speed and edges
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["fit", "--help"], ["config", "--help"], ["plot", "--help"],
+                                  ["config", "--reference"]])
+def test_help_and_the_options_reference_import_no_torch(argv):
+    # torch takes seconds to import; a user reading the help, or the options, must not wait for it.
+    code = ("import sys; from trainer.cli import main; status = main(sys.argv[1:]); "
+            "loaded = sorted(name for name in sys.modules if name.split('.')[0] == 'torch'); "
+            "print('TORCH:', loaded[:5]); raise SystemExit(status)")
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "TORCH: []"
+    expected = "| `devices` | int | `1` |" if "--reference" in argv else "usage: trainer"
+    assert expected in result.stdout
+
+
+def test_devices_auto_is_accepted_in_a_recipe_as_in_python(recipes_here):
+    from trainer.config import make_config
+
+    one_process_per_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert make_config({"devices": "auto"}).devices == one_process_per_gpu
+    assert load_recipe(["good.yaml", "trainer.devices=auto"]).trainer.devices == one_process_per_gpu
+    (recipes_here / "auto.yaml").write_text("trainer: {devices: auto, accelerator: cpu}\n")
+    assert load_recipe(["good.yaml", "auto.yaml"]).trainer.devices == 1  # on CPU: one process
+    assert main(["fit", "good.yaml", "trainer.devices=many"]) == 2  # anything else is still refused
+
+
+def test_a_negative_learning_rate_is_one_line_before_anything_runs(recipes_here, capsys):
+    assert main(["fit", "good.yaml", "model.init_args.lr=-1", "trainer.enable_progress_bar=false"]) == 2
+    assert capsys.readouterr().err == ("trainer fit: error: DigitsCNN: lr=-1 must be a positive learning rate "
+                                       "(model.init_args.lr in a recipe).\n")
+    assert not (recipes_here / "runs").exists()
+
+
+def test_a_warning_shown_by_the_command_is_one_line_without_a_python_location(recipes_here, capsys):
+    (recipes_here / "warns_models.py").write_text(
+        "import warnings\nfrom recipes.digits import DigitsCNN\n\n"
+        "class Warns(DigitsCNN):\n    def __init__(self, **kwargs):\n"
+        "        warnings.warn('widths above 64 are slow on CPU')\n        super().__init__(**kwargs)\n")
+    argv = ["validate", "good.yaml", "model.class_path=warns_models.Warns", "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "Warning: widths above 64 are slow on CPU\n" in err
+    assert "warns_models.py" not in err and "warnings.warn(" not in err
+    # Outside the command, Python's own format (file:line) is back.
+    with pytest.warns(UserWarning) as record:
+        __import__("warns_models").Warns()
+    assert "warns_models.py:6" in warnings.formatwarning(record[0].message, record[0].category, record[0].filename,
+                                                         record[0].lineno)

@@ -217,3 +217,18 @@ def test_learning_rate_monitor_does_nothing_under_fast_dev_run(tmp_path):
     # Without fast_dev_run, a monitor with nowhere to write is still a mistake.
     with pytest.raises(MisconfigurationError, match="LearningRateMonitor writes to the trainer's loggers"):
         fit(Tiny(), callbacks=[LearningRateMonitor()])
+
+
+def test_a_warning_from_inside_a_fit_is_shown_without_a_framework_location():
+    import warnings
+
+    with pytest.warns(UserWarning, match="fewer than log_every_n_steps") as record:
+        Trainer(max_epochs=1, **{**QUIET, "logger": True}).fit(Tiny(), loader())
+    caught = next(w for w in record if "log_every_n_steps" in str(w.message))
+    shown = warnings.formatwarning(caught.message, caught.category, caught.filename, caught.lineno)
+    assert shown == f"UserWarning: {caught.message}\n"  # no trainer/loop.py:NNN, no source line
+    # A warning located in the user's code keeps Python's format: file, line and source.
+    with pytest.warns(UserWarning) as record:
+        warnings.warn("the user's own warning", stacklevel=1)  # located here, in the test
+    shown = warnings.formatwarning(record[0].message, record[0].category, record[0].filename, record[0].lineno)
+    assert shown.startswith(f"{__file__}:{record[0].lineno}: UserWarning: the user's own warning\n")

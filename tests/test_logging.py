@@ -163,7 +163,7 @@ class Loaders(DataModule):
 def test_hparams_yaml_holds_the_datamodules_too_and_values_yaml_cannot_hold_as_their_repr(datasets, tmp_path):
     train, _ = datasets
     settings = {"dtype": torch.bfloat16, "layers": [nn.ReLU(), 2]}
-    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), **QUIET)
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=1, **QUIET)
     trainer.fit(Configured(settings=settings), datamodule=Loaders(train, batch_size=4))
     assert OmegaConf.to_container(OmegaConf.load(trainer.log_dir / "hparams.yaml")) == {
         "hidden": 8, "note": "plain text", "settings": {"dtype": "torch.bfloat16", "layers": ["ReLU()", 2]},
@@ -193,7 +193,8 @@ def test_a_resumed_fit_keeps_the_rows_of_a_validation_run_after_its_checkpoint(d
 def test_a_checkpoint_of_another_run_starts_a_new_run_folder_and_leaves_the_others_alone(datasets, tmp_path, logger):
     train, val = datasets
     loaders = DataLoader(train, batch_size=8), DataLoader(val, batch_size=8)
-    options = {**QUIET, "default_root_dir": str(tmp_path), "enable_checkpointing": True, "logger": logger}
+    options = {**QUIET, "default_root_dir": str(tmp_path), "enable_checkpointing": True, "logger": logger,
+               "log_every_n_steps": 1}
     other = Trainer(name="a", max_epochs=1, **options)
     other.fit(Classifier(), *loaders)
     ours = Trainer(name="b", max_epochs=2, **options)
@@ -225,7 +226,8 @@ def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_pa
     from trainer.logging import CSVLogger
 
     train, _ = datasets
-    trainer = Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="x", version="baseline"), **QUIET)
+    trainer = Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="x", version="baseline"), log_every_n_steps=1,
+                      **QUIET)
     trainer.fit(Classifier(), DataLoader(train, batch_size=8))
     assert (tmp_path / "x" / "baseline" / "metrics.csv").is_file()
 
@@ -255,8 +257,8 @@ def test_a_loggers_prefix_goes_before_every_metric_name(datasets, tmp_path):
 
 
 def test_second_run_gets_next_version_folder(datasets):
-    _, first = fit_classifier(datasets, max_epochs=1)
-    _, second = fit_classifier(datasets, max_epochs=1)
+    _, first = fit_classifier(datasets, max_epochs=1, log_every_n_steps=1)
+    _, second = fit_classifier(datasets, max_epochs=1, log_every_n_steps=1)
     assert (first.log_dir.name, second.log_dir.name) == ("version_0", "version_1")
     assert (second.log_dir / "metrics.csv").is_file()
 

@@ -73,6 +73,7 @@ def test_digits_recipe_reaches_97_percent(tmp_path):
     assert accuracy >= 0.97 and len(labels) == 359
 
 
+@pytest.mark.slow  # four CLI runs of the digits recipe
 def test_digits_config_yaml_reruns_resumes_and_predicts(tmp_path):
     root = tmp_path / "runs" / "digits"
     assert main(["fit", DIGITS, *SHORT_DIGITS]) == 0
@@ -171,3 +172,16 @@ def test_charlm_corpus_windows_and_alphabet():
     data.setup("fit")
     split = int(len(encode(read_corpus(["string.py"]))) * 0.75)
     assert torch.equal(data.val_set.tokens, encode(read_corpus(["string.py"]))[split:])  # split by position
+
+
+def test_digits_test_set_is_held_out_from_training_and_validation():
+    data = DigitsData()
+    data.setup("fit")
+    sets = {name: getattr(data, f"{name}_set").tensors[0].flatten(1) for name in ("train", "val", "test")}
+    assert {name: len(images) for name, images in sets.items()} == {"train": 1258, "val": 359, "test": 180}  # of 1797
+    # No image of the test set is in the training or validation set (compared pixel by pixel).
+    test = {tuple(row.tolist()) for row in sets["test"]}
+    seen = {tuple(row.tolist()) for name in ("train", "val") for row in sets[name]}
+    assert len(test) == 180 and not test & seen
+    assert torch.equal(data.test_dataloader().dataset.tensors[0], data.test_set.tensors[0])
+    assert torch.equal(data.val_dataloader().dataset.tensors[0], data.val_set.tensors[0])

@@ -531,7 +531,7 @@ def test_lightning_calls_and_names_port_unchanged(tmp_path):
 
     module = Tutorial()
     trainer = Trainer(max_epochs=3, accumulate_grad_batches=2, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
-                      **{**QUIET, "logger": True})
+                      log_every_n_steps=1, **{**QUIET, "logger": True})
     trainer.fit(model=module, train_dataloaders=Data())  # Lightning's keyword, and a DataModule in the loaders' place
     assert module.total_steps == 3 * 3 == trainer.global_step  # 5 batches, accumulated in 2s: 3 steps an epoch
     assert module.calls == {"train": 15, "val": 3 * 2, "test": 0, "predict": 0}
@@ -684,7 +684,7 @@ def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_lo
                 loss = F.mse_loss(reference(x), y)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)  # after every evaluation, as Lightning
-                step_losses.append(float(loss))
+                step_losses.append(float(loss.detach()))
                 return loss
             first_losses.append(float(optimizer.step(closure).detach()))
             last_losses.append(step_losses[-1])
@@ -989,7 +989,9 @@ def test_deterministic_benchmark_and_detect_anomaly_do_what_lightnings_options_d
     module = NaNGradient()
     Trainer(**QUIET, max_epochs=1, limit_train_batches=1).fit(module, loader())
     assert module.layer.bias.isnan().all()  # unnoticed without it
-    with pytest.raises(RuntimeError, match="Function 'SqrtBackward0' returned nan values"):
+    # Anomaly mode warns with the forward's traceback (torch's own report), then the backward raises.
+    with pytest.raises(RuntimeError, match="Function 'SqrtBackward0' returned nan values"), \
+            pytest.warns(UserWarning, match="Error detected in SqrtBackward0"):
         Trainer(**QUIET, max_epochs=1, detect_anomaly=True).fit(NaNGradient(), loader())
     assert not torch.is_anomaly_enabled()
 

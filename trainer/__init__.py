@@ -1,8 +1,35 @@
 """A PyTorch training framework: subclass TrainModule, hand it to a Trainer, pick a strategy."""
 
-from trainer.data import DataModule
-from trainer.module import TrainModule
-from trainer.rng import seed_everything
-from trainer.trainer import Trainer
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import format_warning
+
+if TYPE_CHECKING:
+    from trainer.data import DataModule
+    from trainer.module import TrainModule
+    from trainer.rng import seed_everything
+    from trainer.trainer import Trainer
 
 __all__ = ["DataModule", "TrainModule", "Trainer", "seed_everything"]
+# Imported on first use, not with the package: these import torch (seconds), and the `trainer` command's
+# --help and `config --reference` run inside this package without needing it.
+_LAZY = {"DataModule": "trainer.data", "TrainModule": "trainer.module", "seed_everything": "trainer.rng",
+         "Trainer": "trainer.trainer"}
+warnings.formatwarning = format_warning  # the framework's warnings show no framework file:line (see format_warning)
+
+
+def __getattr__(name: str) -> Any:
+    """`trainer.Trainer` and the other public names, imported when first used."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

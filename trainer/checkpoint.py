@@ -86,9 +86,11 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        if not _starts_like_torch_file(path):  # garbage, whatever opcode the unpickler took its first byte for
-            raise _corrupt(path, err) from err
         lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+        # Garbage (whatever opcode the unpickler took its first byte for), or a torch file whose pickle is
+        # damaged (an "Unsupported operand"): no refused class to name, the file is corrupt.
+        if not _starts_like_torch_file(path) or not any("Unsupported global" in line for line in lines):
+            raise _corrupt(path, err) from err
         # torch's message is a page of advice; the line naming the refused class is the one to show.
         reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else type(err).__name__)
         reason = reason.split(". Please use")[0]  # the rest advises trusting the file, which it is our job not to do
@@ -124,8 +126,10 @@ def saved_position(path: Path, resumable: bool = True) -> tuple[int, int, int] |
 def _corrupt(path: Path, err: BaseException) -> CheckpointError:
     if not _starts_like_torch_file(path):
         detail = "it is neither a zip archive nor a pickle"  # what the unpickler says about garbage would mislead
-    else:  # torch's reason: a map_location it cannot use lands here too, and says so
-        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    elif isinstance(err, pickle.UnpicklingError):  # torch's message is advice on trusting the file; the fact is:
+        detail = "its pickled data does not decode"
+    else:  # torch's reason, its first sentence whole (the rest is advice): a map_location it cannot use lands here too
+        reason = re.split(r"(?<=\.)\s", " ".join(str(err).split()), maxsplit=1)[0].rstrip(".")
         detail = f"{type(err).__name__}: {reason}" if reason else type(err).__name__
     return CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt and cannot be read ({detail}).")
 

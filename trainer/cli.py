@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,13 @@ import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
 from trainer.errors import CheckpointError, MisconfigurationError
-from trainer.faults import SIGINT_EXIT_CODE
 
 STAGES = ("fit", "validate", "test", "predict")
 USAGE_ERROR = 2
 VERBOSE_FLAGS = ("-v", "--verbose")
+# The shell's status for a run ended by Ctrl-C, as trainer.faults.SIGINT_EXIT_CODE (that module imports torch,
+# which `trainer --help` must not wait for).
+SIGINT_EXIT_CODE = 128 + signal.SIGINT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse's own usage errors (status 2) and --help (status 0)
         return int(exit_.code or 0)
     args.verbose = verbose
-    return run_command(args.handler, args)
+    with warnings.catch_warnings():  # restores the default format when main returns (tests call it in-process)
+        warnings.showwarning = show_warning
+        return run_command(args.handler, args)
+
+
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+    """The command's warnings as `Warning: <message>`: a user of the command has no use for a Python file:line."""
+    print(f"Warning: {message}", file=sys.stderr if file is None else file)
 
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -143,7 +155,6 @@ def run_stage(args: argparse.Namespace) -> int:
 def show_config(args: argparse.Namespace) -> int:
     """Print the resolved recipe, or the reference of trainer options."""
     from trainer.config import reference_table, update_readme
-    from trainer.recipe import load_recipe
 
     if args.reference:
         if args.readme:
@@ -154,6 +165,8 @@ def show_config(args: argparse.Namespace) -> int:
         return 0
     if args.readme:
         raise MisconfigurationError("--readme goes with --reference: `trainer config --reference --readme README.md`.")
+    from trainer.recipe import load_recipe  # imports torch: here, not above, so that --reference stays fast
+
     _import_from_cwd()
     print(load_recipe(args.sources).to_yaml(), end="")
     return 0

@@ -2,6 +2,10 @@
 
 `Trainer(**options)` and a recipe's `trainer:` section both go through TrainerConfig, so a key has
 one name, one default and one check, wherever it is set.
+
+This module imports no torch (nor any module that does) at import time: `trainer --help` and
+`trainer config --reference` read the schema, and importing torch takes seconds. The value sets the
+schema names (precisions, lr scalings, ...) are defined here; the modules that act on them import them.
 """
 
 from __future__ import annotations
@@ -13,19 +17,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainer.errors import MisconfigurationError, closest
-from trainer.faults import NONFINITE_MODES
-from trainer.logging import Logger
-from trainer.optim import CLIP_ALGORITHMS, LR_SCALINGS
-from trainer.precision import PRECISIONS, precision_name
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
+LR_SCALINGS = ("none", "linear", "sqrt")
+NONFINITE_MODES = ("error", "skip", "ignore")
 
 
-def _opt(default: Any, help: str) -> Any:
+def _opt(default: Any, help: str, shown_type: str | None = None) -> Any:
+    """A TrainerConfig field; `shown_type` is the type the reference names where the annotation is wider
+    (omegaconf types a recipe's value by the annotation, and takes no union of int and str)."""
+    metadata = {"help": help, "type": shown_type}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -69,7 +75,8 @@ class TrainerConfig:
     fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
     accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
     strategy: Any = _opt("auto", "'single', 'dp', 'ddp', 'pipeline', 'ps', or {name: ..., options...}.")
-    devices: int = _opt(1, "Devices (processes for ddp) per node; 'auto': every GPU when on GPUs, else 1.")
+    devices: Any = _opt(1, "Devices (processes for ddp) per node; 'auto': every GPU when on GPUs, else 1.",
+                        shown_type="int")  # omegaconf would refuse 'auto' in a recipe as not an int
     num_nodes: int = _opt(1, "Number of nodes.")
     lr_scaling: str = _opt("none", f"Scale learning rates by the data-parallel size: {', '.join(LR_SCALINGS)}.")
     lr_warmup_steps: int = _opt(0, "Steps of linear warm-up from the base to the scaled learning rate.")
@@ -143,13 +150,36 @@ def _need(condition: bool, message: str) -> None:
         raise MisconfigurationError(message)
 
 
+# The three helpers below import torch (directly or through the module they need) when called, not when this
+# module is imported: validating options needs torch, reading the schema (`trainer config --reference`) does not.
+
+
+def _auto_devices(accelerator: str) -> int:
+    """devices='auto': every visible GPU when the run uses GPUs, else one process."""
+    import torch
+
+    gpus = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    return max(1, torch.cuda.device_count()) if gpus else 1
+
+
+def _canonical_precision(precision: Any) -> str:
+    from trainer.precision import precision_name
+
+    return precision_name(precision)
+
+
+def _is_logger(item: Any) -> bool:
+    from trainer.logging import Logger
+
+    return isinstance(item, Logger)
+
+
 def validate(config: TrainerConfig) -> None:
     """Check types and ranges of every option, with messages that say what to change."""
     if config.deterministic == "warn":  # Lightning's spelling of what True does here
         config.deterministic = True
     if config.devices == "auto":  # Lightning's default: every GPU where the run uses them, else one process
-        gpus = config.accelerator in ("cuda", "gpu") or (config.accelerator == "auto" and torch.cuda.is_available())
-        config.devices = max(1, torch.cuda.device_count()) if gpus else 1
+        config.devices = _auto_devices(config.accelerator)
     for key in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
         value = getattr(config, key)
         _need(isinstance(value, bool), f"trainer option {key}={value!r} must be True or False.")
@@ -171,7 +201,7 @@ def validate(config: TrainerConfig) -> None:
     _need(config.max_restarts >= 0, f"max_restarts={config.max_restarts} must be >= 0.")
     _need(config.nonfinite_loss in NONFINITE_MODES,
           f"nonfinite_loss={config.nonfinite_loss!r} is not known; use one of {', '.join(NONFINITE_MODES)}.")
-    config.precision = precision_name(config.precision)
+    config.precision = _canonical_precision(config.precision)
     _need(config.gradient_clip_algorithm in CLIP_ALGORITHMS,
           f"gradient_clip_algorithm={config.gradient_clip_algorithm!r}; use 'norm' or 'value'.")
     _need(config.gradient_clip_val is None or (isinstance(config.gradient_clip_val, (int, float)) and config.gradient_clip_val > 0),
@@ -194,7 +224,7 @@ def validate(config: TrainerConfig) -> None:
     _need(config.limit_train_batches != 0, "limit_train_batches=0 would train on nothing; use a fraction in (0, 1] or a "
           "batch count >= 1 (to only evaluate, call trainer.validate or trainer.test).")
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
-        known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
+        known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or _is_logger(item)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
 
 
@@ -217,7 +247,7 @@ def reference_table() -> str:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for item in dataclasses.fields(TrainerConfig):
         default = item.default_factory() if item.default is dataclasses.MISSING else item.default  # type: ignore[misc]
-        kind = "any" if item.type == "Any" else str(item.type)
+        kind = item.metadata["type"] or ("any" if item.type == "Any" else str(item.type))
         # Escaped for Markdown: a bare <name> would render as an (invisible) HTML tag.
         meaning = str(item.metadata["help"]).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
         rows.append(f"| `{item.name}` | {kind} | `{_yaml_value(default)}` | {meaning} |")

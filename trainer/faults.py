@@ -22,7 +22,6 @@ SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
 SIGINT_EXIT_CODE = 130  # 128 + SIGINT
 AGREE_EVERY_S = 0.25  # how often ranks stepping together exchange their SIGTERM flags (see the module docstring)
 MAX_AGREE_INTERVAL = 4  # step boundaries between exchanges, at most: bounds the delay when steps slow down
-NONFINITE_MODES = ("error", "skip", "ignore")
 
 
 class Terminated(SystemExit):

@@ -15,10 +15,9 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+# The option schema owns these value sets (it imports no torch); CLIP_ALGORITHMS stays importable from here.
+from trainer.config import CLIP_ALGORITHMS, LR_SCALINGS  # noqa: F401
 from trainer.errors import MisconfigurationError
-
-CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
-LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 @dataclass

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.config import PRECISIONS  # the option schema owns the value set; importable from here too
 from trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
 
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 # Lightning's other spellings of the same three, so that a ported Trainer(precision=...) keeps working.
 PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}

@@ -10,39 +10,50 @@ Sources apply left to right: recipe files merge, `dotted.key=value` overrides se
 (parsed as YAML). `${...}` interpolations resolve after the last source, so an override can change
 what they point at. Every class and init argument is checked against the class signature here, in
 the calling process, so a typo fails in a second instead of after a process group has started.
+
+Mappings merge key by key; lists are values and a later source replaces them whole, as in
+LightningCLI and Hydra. The callbacks list can also be appended to, with LightningCLI's `+`:
+
+    callbacks:  [...]      in a later file: replaces the list before it (a warning names each class it drops)
+    callbacks+: [...]      in a later file: appends its entries to the list before it
+    callbacks+={class_path: callbacks.EarlyStopping, init_args: {monitor: val/loss}}    an override that
+                           appends one entry (or a list of entries)
+    callbacks.0.init_args.monitor=val/acc    an override that changes entry 0 in place
+
+A file may hold both keys: `callbacks` replaces first, then `callbacks+` appends.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import io
 import re
-import types
-import typing
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from torch import nn
 
 from callbacks.base import Callback
 from trainer.config import TrainerConfig, dump_yaml, make_config, option_names
 from trainer.data import DataModule
 from trainer.errors import MisconfigurationError, closest
 from trainer.module import TrainModule
+from trainer.signatures import check_init_args, import_class, init_parameters, is_plain, plain_default
 from trainer.strategies import build_strategy
 
+__all__ = ["ClassSpec", "Recipe", "check_init_args", "class_spec", "import_class", "init_parameters", "is_override",
+           "load_recipe", "read_recipe_file"]
+
 TOP_LEVEL_KEYS = ("trainer", "model", "data", "callbacks", "ckpt_path")
+APPEND = "callbacks+"  # the key (in a file) or override key that appends to the callbacks list
 CLASS_KEYS = ("class_path", "init_args")
 SECTION_BASES: dict[str, type] = {"model": TrainModule, "data": DataModule, "callbacks": Callback}
-# __init__s that take no user arguments: **kwargs that would reach them are the subclass's own.
-_ARGLESS_BASES = (object, nn.Module, TrainModule, DataModule, Callback)
 _KEY = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*(\.\w+)*\+?")  # a trailing + appends (callbacks+=...)
 
 
 @dataclass
@@ -96,19 +107,29 @@ class Recipe:
 def load_recipe(sources: Sequence[str | Path]) -> Recipe:
     """Merge recipe files and `key=value` overrides left to right, resolve, and validate everything."""
     merged: DictConfig = OmegaConf.create({"trainer": OmegaConf.structured(TrainerConfig)})
+    dropped: list[str] = []  # warnings for callbacks a later list replaced: given once the recipe is valid
     if not any(not is_override(str(source)) for source in sources):
         raise MisconfigurationError("no recipe file given; e.g. `trainer fit recipes/digits.yaml trainer.max_epochs=3`.")
     for source in map(str, sources):
-        if is_override(source):
-            _apply_override(merged, source)
+        if is_override(source) and source.startswith(APPEND + "="):
+            _append_callbacks(merged, _parse_override_value(source), f"override {source!r}")
+        elif is_override(source):
+            _apply_override(merged, source, dropped)
         else:
             layer = read_recipe_file(source)
+            appended = layer.pop(APPEND, None)
             _check_keys(layer, source)
+            dropped += _dropped_callbacks(merged, layer, source)
             _reset_changed_classes(merged, layer)
             merged = OmegaConf.merge(merged, layer)
+            if appended is not None:
+                _append_callbacks(merged, appended, f"{source}: {APPEND}")
     _fill_defaults(merged)
     resolved = OmegaConf.to_container(merged, resolve=True)
-    return _build(resolved)
+    recipe = _build(resolved)
+    for message in dropped:
+        warnings.warn(message, UserWarning, stacklevel=2)  # the line that loads the recipe
+    return recipe
 
 
 def _fill_defaults(merged: DictConfig) -> None:
@@ -124,16 +145,47 @@ def _fill_defaults(merged: DictConfig) -> None:
             continue
         base = SECTION_BASES[where.split(".")[0]]
         parameters, _ = init_parameters(import_class(where, class_path, base))
-        defaults = {name: _plain_default(parameter.default) for name, (parameter, _) in parameters.items()
-                    if name not in given and _is_plain(parameter.default)}
+        defaults = {name: plain_default(parameter.default) for name, (parameter, _) in parameters.items()
+                    if name not in given and is_plain(parameter.default)}
         if defaults:
             entry.init_args = OmegaConf.merge(defaults, given)
 
 
 def is_override(token: str) -> bool:
-    """`dotted.key=value` (a path that merely contains '=' is not one)."""
+    """`dotted.key=value` or `callbacks+=value` (a path that merely contains '=' is not one)."""
     key, eq, _ = token.partition("=")
-    return bool(eq) and _KEY.fullmatch(key) is not None
+    return bool(eq) and (_KEY.fullmatch(key) is not None or key == APPEND)
+
+
+def _append_callbacks(merged: DictConfig, entries: Any, where: str) -> None:
+    """Append one callback entry, or a list of them, to the merged callbacks list."""
+    if isinstance(entries, DictConfig | dict):
+        entries = [entries]
+    if not isinstance(entries, ListConfig | list):
+        raise MisconfigurationError(f"{where}: appends a {{class_path: ..., init_args: ...}} entry or a list of them; "
+                                    f"got {entries!r}.")
+    new = OmegaConf.to_container(OmegaConf.create(list(entries)), resolve=False)  # interpolations resolve at the end
+    for index, item in enumerate(new):
+        for key in item if isinstance(item, dict) else []:
+            _check_path(["callbacks", str(index), str(key)], where)
+    old = merged.get("callbacks")
+    merged.callbacks = [*(OmegaConf.to_container(old, resolve=False) if isinstance(old, ListConfig) else []), *new]
+
+
+def _dropped_callbacks(merged: DictConfig, layer: DictConfig, source: str) -> list[str]:
+    """A warning (as a one-item list) when the layer's callbacks list replaces the list before it and a class
+    of that list is then gone; an empty list when nothing is dropped."""
+    old, new = merged.get("callbacks"), layer.get("callbacks")
+    if not isinstance(old, ListConfig) or not isinstance(new, ListConfig):
+        return []
+    old_entries, new_entries = (OmegaConf.to_container(entries, resolve=False) for entries in (old, new))
+    kept = {entry.get("class_path") for entry in new_entries if isinstance(entry, dict)}
+    dropped = [str(entry.get("class_path")) for entry in old_entries
+               if isinstance(entry, dict) and entry.get("class_path") not in kept]
+    if not dropped:
+        return []
+    return [f"{source}: its callbacks list replaces the one before it, which drops {', '.join(dropped)}; "
+            f"to add to the list instead, write '{APPEND}:' in a file or {APPEND}=... as an override."]
 
 
 def read_recipe_file(path_text: str) -> DictConfig:
@@ -244,9 +296,31 @@ def _check_path(parts: list[str], source: str) -> None:
 _SEXAGESIMAL = re.compile(r"^\s*[-+]?\d+(:\d+)+\s*$")
 
 
-def _apply_override(merged: DictConfig, token: str) -> None:
+def _apply_override(merged: DictConfig, token: str, dropped: list[str]) -> None:
+    """Apply one `key=value`; a warning for callbacks it drops is added to `dropped`."""
     key, _, text = token.partition("=")
     _check_path(key.split("."), f"override {token!r}")
+    value = _parse_override_value(token)
+    parts = key.split(".")
+    if parts[0] == "callbacks" and len(parts) > 1 and parts[1].isdigit():
+        count = len(merged.get("callbacks") or [])
+        if int(parts[1]) >= count:
+            have = f"callbacks.0 to callbacks.{count - 1}" if count else "none"
+            raise MisconfigurationError(f"override {token!r}: the recipe has {count} callback(s) ({have}); an override "
+                                        "changes an entry, a new callback goes in a recipe file's callbacks list "
+                                        f"(or {APPEND}: there), or an override {APPEND}={{class_path: ...}} "
+                                        "appends one.")
+    layer = OmegaConf.create(_nest(parts, value))
+    if "." not in key:  # a whole section (`trainer=3`) must have the section's shape
+        _check_keys(layer, f"override {token!r}")
+        dropped += _dropped_callbacks(merged, layer, f"override {token!r}")
+    _reset_changed_classes(merged, layer)
+    OmegaConf.update(merged, key, value, merge=True)
+
+
+def _parse_override_value(token: str) -> Any:
+    """The value of `key=value`, parsed as YAML; interpolations stay unresolved."""
+    key, _, text = token.partition("=")
     # Parse the value the way omegaconf parses a dotlist (YAML), without resolving interpolations yet.
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]), resolve=False)["value"]
@@ -260,18 +334,7 @@ def _apply_override(merged: DictConfig, token: str) -> None:
         reason = " ".join(str(err).split())
         raise MisconfigurationError(f"override {token!r}: the value is not valid YAML ({reason}); quote it: "
                                     f"{key}=\"'{text}'\".") from err
-    parts = key.split(".")
-    if parts[0] == "callbacks" and len(parts) > 1 and parts[1].isdigit():
-        count = len(merged.get("callbacks") or [])
-        if int(parts[1]) >= count:
-            have = f"callbacks.0 to callbacks.{count - 1}" if count else "none"
-            raise MisconfigurationError(f"override {token!r}: the recipe has {count} callback(s) ({have}); an override "
-                                        "changes an entry, a new callback goes in a recipe file's callbacks list.")
-    layer = OmegaConf.create(_nest(parts, value))
-    if "." not in key:  # a whole section (`trainer=3`) must have the section's shape
-        _check_keys(layer, f"override {token!r}")
-    _reset_changed_classes(merged, layer)
-    OmegaConf.update(merged, key, value, merge=True)
+    return value
 
 
 def _nest(parts: list[str], value: Any) -> dict[str, Any]:
@@ -332,148 +395,3 @@ def class_spec(where: str, entry: Any, base: type) -> ClassSpec:
         raise MisconfigurationError(f"{where}.init_args must be a mapping of argument names to values; got {init_args!r}.")
     cls = import_class(where, entry["class_path"], base)
     return ClassSpec(where, entry["class_path"], cls, check_init_args(where, cls, dict(init_args)))
-
-
-def import_class(where: str, class_path: str, base: type) -> type:
-    """The class `class_path` names, which must be a subclass of `base`."""
-    module_name, _, name = class_path.rpartition(".")
-    if not module_name:
-        raise MisconfigurationError(f"{where}.class_path={class_path!r} needs its module, e.g. 'recipes.digits.DigitsCNN'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and module_name.startswith(err.name):
-            raise MisconfigurationError(f"{where}.class_path={class_path!r}: no module named {err.name!r}; "
-                                        "check the spelling, or install the package that provides it.") from err
-        raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} failed: {err}.") from err
-    except Exception as err:  # the user's module raised while importing: show what, in one line
-        raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} raised "
-                                    f"{type(err).__name__}: {err}.") from err
-    cls = getattr(module, name, None)
-    if cls is None:
-        classes = [key for key, value in vars(module).items() if isinstance(value, type)]
-        raise MisconfigurationError(f"{where}.class_path={class_path!r}: module {module_name!r} has no {name!r}"
-                                    f"{closest(name, classes)}.")
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        what = f"class {cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
-        raise MisconfigurationError(f"{where}.class_path={class_path!r} is {what}, not a {base.__name__} subclass; "
-                                    f"{where} must name a {base.__name__}.")
-    return cls
-
-
-def check_init_args(where: str, cls: type, given: dict[str, Any]) -> dict[str, Any]:
-    """`given` checked against the class signature, completed with the signature's plain defaults."""
-    parameters, takes_any = init_parameters(cls)
-    for name, value in given.items():
-        if name not in parameters:
-            if takes_any:
-                continue
-            raise MisconfigurationError(f"{where}.init_args.{name}: {cls.__name__} does not take {name!r}"
-                                        f"{closest(name, parameters)}; it takes {', '.join(parameters) or 'no arguments'}.")
-        hint = parameters[name][1]
-        if hint is not None and not _type_ok(value, hint):
-            raise MisconfigurationError(f"{where}.init_args.{name}={value!r}: {cls.__name__} expects "
-                                        f"{_type_name(hint)}, got {_value_kind(value)}.")
-    complete: dict[str, Any] = {}
-    for name, (parameter, _) in parameters.items():
-        if name in given:
-            complete[name] = given[name]
-        elif parameter.default is inspect.Parameter.empty:
-            raise MisconfigurationError(f"{where}.init_args: {cls.__name__} needs {name!r} (it has no default); "
-                                        f"add it, e.g. {where}.init_args.{name}=VALUE.")
-        elif _is_plain(parameter.default):
-            complete[name] = _plain_default(parameter.default)
-    complete.update({name: value for name, value in given.items() if name not in complete})
-    return complete
-
-
-def init_parameters(cls: type) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
-    """{name: (parameter, type hint)} an instance can be built with, following **kwargs up the MRO.
-
-    The second value is True when the class accepts any keyword: its **kwargs never reach a parent
-    that would check them (they stop at a base whose __init__ takes no user arguments).
-    """
-    found: dict[str, tuple[inspect.Parameter, Any]] = {}
-    followed_kwargs = False
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        if klass in _ARGLESS_BASES:
-            return found, followed_kwargs
-        try:
-            hints = typing.get_type_hints(init)
-        except Exception:  # an annotation that does not evaluate: skip type checks, keep the names
-            hints = {}
-        signature = inspect.signature(init)
-        for name, parameter in list(signature.parameters.items())[1:]:
-            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
-                found.setdefault(name, (parameter, hints.get(name)))
-        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-            return found, False
-        followed_kwargs = True
-    return found, True
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    """Whether `value` fits a simple annotation; annotations this cannot judge pass."""
-    origin = typing.get_origin(hint) or hint
-    if origin in (Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
-    checks = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-        type(None): lambda v: v is None,
-        list: lambda v: isinstance(v, list),
-        tuple: lambda v: isinstance(v, list),
-        dict: lambda v: isinstance(v, dict),
-    }
-    check = checks.get(origin)
-    if check is None or not check(value):
-        return check is None
-    args = typing.get_args(hint)
-    if origin is list and args:
-        return all(_type_ok(v, args[0]) for v in value)
-    if origin is tuple and args:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_type_ok(v, args[0]) for v in value)
-        return len(value) == len(args) and all(_type_ok(v, arg) for v, arg in zip(value, args))
-    if origin is dict and len(args) == 2:
-        return all(_type_ok(k, args[0]) and _type_ok(v, args[1]) for k, v in value.items())
-    return True
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        return " or ".join(_type_name(arg) for arg in typing.get_args(hint))
-    origin = typing.get_origin(hint) or hint
-    args = [arg for arg in typing.get_args(hint) if arg is not Ellipsis]
-    if origin in (list, tuple) and args:  # as a recipe writes them
-        return f"a list of {' and '.join(sorted({_type_name(arg) for arg in args}))}"
-    if origin is dict and len(args) == 2:
-        return f"a mapping of {_type_name(args[0])} to {_type_name(args[1])}"
-    yaml_names = {tuple: "a list", list: "a list", dict: "a mapping", type(None): "null"}
-    return yaml_names.get(origin, getattr(origin, "__name__", str(hint)))
-
-
-def _value_kind(value: Any) -> str:
-    """What a recipe value is, in the words of _type_name ("a list of int")."""
-    if isinstance(value, list):
-        kinds = sorted({_value_kind(v) for v in value})
-        return f"a list of {' and '.join(kinds)}" if kinds else "an empty list"
-    return "a mapping" if isinstance(value, dict) else "null" if value is None else type(value).__name__
-
-
-def _plain_default(value: Any) -> Any:
-    return [_plain_default(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def _is_plain(value: Any) -> bool:
-    """Whether a default can be written to YAML and read back unchanged."""
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
-    return value is None or isinstance(value, (bool, int, float, str))

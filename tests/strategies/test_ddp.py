@@ -307,6 +307,7 @@ class RateAtStart(Callback):
         self.rates = [group["lr"] for group in trainer.optimizers[0].param_groups]
 
 
+@pytest.mark.slow  # its ddp_run fixture starts 2 processes
 def test_a_ddp_checkpoint_resumed_in_one_process_rescales_its_learning_rate(ddp_run, tmp_path, capsys):
     _, trainer, _ = ddp_run
     rate = RateAtStart()
@@ -405,7 +406,7 @@ def test_a_prediction_writer_writes_each_ranks_shuffled_share_with_the_indices_o
 
 
 def test_single_device_checkpoint_loads_into_the_ddp_wrapped_module(tmp_path):
-    single = Trainer(strategy="single", max_epochs=1, default_root_dir=str(tmp_path), **QUIET)
+    single = Trainer(strategy="single", max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=1, **QUIET)
     trained = Net()
     single.fit(trained, DataLoader(TRAIN, batch_size=8))
     # The keys land in the module DDP wraps (a world of one process: loading does not depend on its size).
