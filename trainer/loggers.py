@@ -54,8 +54,9 @@ class Logger:
     def save(self) -> None: ...
     def finalize(self) -> None:
         self.save()
-        if self._claim is not None:
-            self._claim.release()  # a run that wrote nothing leaves no folder behind
+        claim = getattr(self, "_claim", None)  # a subclass may not call Logger.__init__
+        if claim is not None:
+            claim.release()  # a run that wrote nothing leaves no folder behind
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "folder": run_folder(self.save_dir, self.name)}

@@ -1,16 +1,26 @@
-"""What a Trainer builds from its options, and checks of what a stage is given, before anything runs."""
+"""What a Trainer builds from its options and for a stage, and checks of what a stage is given."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from torch.optim import Optimizer
+
 from callbacks.base import Callback
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, save_run_config
 from trainer.data import STAGE_LOADERS, DataModule, own_loader
 from trainer.errors import MisconfigurationError
 from trainer.logging import CSVLogger, Logger, TensorBoardLogger
 from trainer.module import TrainModule
+from trainer.optim import (
+    LRScaler,
+    SchedulerConfig,
+    check_closure_optimizer,
+    is_torch_scheduler,
+    parse_optimizers,
+)
+from trainer.runs import RUN_ID_FILE
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -194,3 +204,42 @@ def _equal(a: Any, b: Any) -> bool:
         return a is b or bool(a == b)
     except (RuntimeError, TypeError, ValueError):  # tensors of several elements, arrays
         return False
+
+
+def build_optimizers(trainer: Trainer, module: TrainModule) -> tuple[list[Optimizer], list[SchedulerConfig], LRScaler]:
+    """configure_optimizers' optimizers (set up by the strategy), schedulers, and the lr_scaling applied to them."""
+    config, strategy = trainer.config, trainer.strategy
+    optimizers, schedulers = parse_optimizers(module.configure_optimizers())
+    foreign = [type(c.scheduler).__name__ for c in schedulers if not is_torch_scheduler(c.scheduler)]
+    if foreign and type(module).lr_scheduler_step is TrainModule.lr_scheduler_step:
+        raise MisconfigurationError(
+            f"the scheduler {foreign[0]} is not one of torch's, whose step() the Trainer knows how to call; define "
+            f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it, as in Lightning.")
+    if module.automatic_optimization:
+        check_closure_optimizer(optimizers, config.accumulate_grad_batches, config.precision)
+    optimizers = strategy.setup_optimizers(optimizers)
+    workers = strategy.data_parallel_size * config.accumulate_grad_batches
+    lr_scaler = LRScaler(config.lr_scaling, workers, config.lr_warmup_steps)
+    lr_scaler.apply(optimizers, schedulers)
+    if lr_scaler.factor != 1.0 and trainer.is_global_zero:
+        rates = ", ".join(f"{group['lr']:.4g}" for opt in optimizers for group in opt.param_groups)
+        warmup = f", reached by linear warm-up over {config.lr_warmup_steps} steps" if config.lr_warmup_steps else ""
+        print(f"lr_scaling={config.lr_scaling}: learning rates x{lr_scaler.factor:g} (data-parallel size "
+              f"{strategy.data_parallel_size} x accumulate_grad_batches {config.accumulate_grad_batches})"
+              f" -> {rates}{warmup}")
+    return optimizers, schedulers, lr_scaler
+
+
+def write_run_files(trainer: Trainer) -> None:
+    """hparams.yaml (through the loggers) and the recipe's config.yaml in the run folder. Written once the
+    stage's checkpoint, if any, has been restored: a refused one leaves a resumed run's files as they were."""
+    if trainer.is_global_zero and trainer.module is not None and trainer.loggers:
+        hparams = logged_hparams(trainer.module, trainer.datamodule)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(hparams)
+    if trainer.is_global_zero and trainer.run_config is not None and not trainer.config.fast_dev_run:
+        save_run_config(trainer.log_dir / "config.yaml", trainer.run_config)
+    run_id = trainer.strategy.environment.run_id
+    if trainer.is_global_zero and run_id is not None and trainer.stage == "fit":  # found again by a restart
+        trainer.log_dir.mkdir(parents=True, exist_ok=True)
+        (trainer.log_dir / RUN_ID_FILE).write_text(run_id)

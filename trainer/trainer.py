@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,38 +15,38 @@ from torch.utils.data import DataLoader
 
 from callbacks.base import Callback
 from trainer import faults
-from trainer.config import TrainerConfig, make_config, save_run_config
+from trainer.batches import batch_limit
+from trainer.config import TrainerConfig, make_config
 from trainer.data import DataModule, build_loaders, stage_loaders
 from trainer.errors import MisconfigurationError
 from trainer.hooks import Hooks
 from trainer.logging import Logger, MetricCollector, print_results_table
-from trainer.loop import batch_limit, evaluation_loop, fit_loop, predict_loop
+from trainer.loop import evaluation_loop, fit_loop, predict_loop
 from trainer.loop_state import LoopState, Progress
 from trainer.module import TrainModule
-from trainer.optim import (
-    LRScaler,
-    ManualOptimizer,
-    SchedulerConfig,
-    check_closure_optimizer,
-    is_torch_scheduler,
-    parse_optimizers,
-)
+from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
 from trainer.preflight import (
     apply_fast_dev_run,
     build_loggers,
+    build_optimizers,
     callback_list,
     check_inputs,
     datamodule_given_as_loaders,
-    logged_hparams,
     module_callbacks,
     one_module,
     with_default_callbacks,
+    write_run_files,
 )
-from trainer.resume import load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
+from trainer.resume import default_ckpt_path, load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
 from trainer.rng import seed_everything, set_determinism
-from trainer.runs import RUN_ID_FILE, RunFolder
+from trainer.runs import RunFolder
 from trainer.state import build_checkpoint, restore_checkpoint
 from trainer.strategies import Strategy, build_strategy
+
+
+def _config_field(name: str) -> property:
+    """The option `name`, read-only, where Lightning's Trainer has it as an attribute."""
+    return property(lambda trainer: getattr(trainer.config, name), doc=f"The {name} option.")
 
 
 def _loop_field(name: str, doc: str) -> property:
@@ -184,10 +183,6 @@ class Trainer:
         return self.config.resolved_max_epochs()
 
     @property
-    def max_steps(self) -> int:
-        return self.config.max_steps
-
-    @property
     def progress_bar_metrics(self) -> dict[str, float]:
         """What was logged with prog_bar=True, last values, as floats (`loss_step` and `loss_epoch` for a value
         logged per step and per epoch, as in Lightning)."""
@@ -213,27 +208,17 @@ class Trainer:
         return [batch_limit(loader, self.config.limit_val_batches) for loader in self.val_dataloaders]
 
     # Lightning's names for what this Trainer holds under its own.
+    default_root_dir = _config_field("default_root_dir")
+    precision = _config_field("precision")
+    accumulate_grad_batches = _config_field("accumulate_grad_batches")
+    log_every_n_steps = _config_field("log_every_n_steps")
+    max_steps = _config_field("max_steps")
+
     @property
     def lightning_module(self) -> TrainModule | None:
         return self.module
 
     model = lightning_module
-
-    @property
-    def default_root_dir(self) -> str:
-        return self.config.default_root_dir
-
-    @property
-    def precision(self) -> str:
-        return self.config.precision
-
-    @property
-    def accumulate_grad_batches(self) -> int:
-        return self.config.accumulate_grad_batches
-
-    @property
-    def log_every_n_steps(self) -> int:
-        return self.config.log_every_n_steps
 
     @property
     def early_stopping_callback(self) -> Any:
@@ -296,7 +281,7 @@ class Trainer:
         with `return_predictions=False`, which keeps none of them (a BasePredictionWriter writes them instead)."""
         module = one_module(model, module)
         self._loop.return_predictions = return_predictions is None or bool(return_predictions)
-        ckpt_path = self._default_ckpt_path("predict", module, ckpt_path, calls_below_user=1)
+        ckpt_path = default_ckpt_path(self, "predict", module, ckpt_path, calls_below_user=1)
         module = module or self.module
         dataloaders, datamodule = datamodule_given_as_loaders(dataloaders, datamodule)
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
@@ -308,7 +293,7 @@ class Trainer:
 
     def _evaluate(self, stage: str, module: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
                   ckpt_path: str | Path | None, verbose: bool) -> list[dict[str, float]]:
-        ckpt_path = self._default_ckpt_path(stage, module, ckpt_path, calls_below_user=2)
+        ckpt_path = default_ckpt_path(self, stage, module, ckpt_path, calls_below_user=2)
         module = module or self.module
         dataloaders, datamodule = datamodule_given_as_loaders(dataloaders, datamodule)
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
@@ -317,17 +302,6 @@ class Trainer:
         if verbose and results and self.is_global_zero:
             print_results_table(results, stage)
         return results
-
-    def _default_ckpt_path(self, stage: str, module: TrainModule | None, ckpt_path: str | Path | None,
-                           calls_below_user: int) -> str | Path | None:
-        """As in Lightning: called after a fit with neither a module nor a ckpt_path, a stage evaluates the fit's
-        best checkpoint (where one was kept), not its last weights, and says so."""
-        best = getattr(self.checkpoint_callback, "best_model_path", "")
-        if module is not None or ckpt_path is not None or self.module is None or not best:
-            return ckpt_path
-        warnings.warn(f"Trainer.{stage} was called without a module: it uses the previous fit's best checkpoint, "
-                      f"{best}; pass ckpt_path='last' (or a path), or the module, to choose.", stacklevel=2 + calls_below_user)
-        return "best"
 
     def _dispatch(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
                   *loaders: Any) -> Any:
@@ -407,7 +381,7 @@ class Trainer:
             # The checkpoint's step was already written (if due) before it was saved; a micro-batch
             # that follows it without stepping must not write a second row for the same step.
             self._metrics.rows.last_logged_step = self.progress.batches_stepped
-        self._write_run_files()
+        write_run_files(self)
         return prepared
 
     def _prepare_fit(self, module: TrainModule, datamodule: DataModule | None, prepared: list[DataLoader],
@@ -459,48 +433,17 @@ class Trainer:
             anomaly = torch.autograd.set_detect_anomaly(True) if config.detect_anomaly else contextlib.nullcontext()
             with faults.StepGuard(self) as guard, anomaly:  # SIGTERM and non-finite losses, settled at optimizer steps
                 fit_loop(self, loaders[0], loaders[1:], guard)
-            self._hooks.call("on_fit_end")
+            with self._metrics.scope("train", in_step=False):  # as the fit loop's last hooks: it logs per epoch
+                self._hooks.call("on_fit_end")
             return None
         if stage == "predict":
             return predict_loop(self, loaders, config.limit_predict_batches)
         limit = config.limit_val_batches if stage == "validate" else config.limit_test_batches
         return evaluation_loop(self, stage, loaders, limit)
 
-    def _write_run_files(self) -> None:
-        """hparams.yaml (through the loggers) and the recipe's config.yaml in the run folder. Written once the
-        stage's checkpoint, if any, has been restored: a refused one leaves a resumed run's files as they were."""
-        if self.is_global_zero and self.module is not None and self.loggers:
-            hparams = logged_hparams(self.module, self.datamodule)
-            for logger in self.loggers:
-                logger.log_hyperparams(hparams)
-        if self.is_global_zero and self.run_config is not None and not self.config.fast_dev_run:
-            save_run_config(self.log_dir / "config.yaml", self.run_config)
-        run_id = self.strategy.environment.run_id
-        if self.is_global_zero and run_id is not None and self.stage == "fit":  # found again by a restart
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            (self.log_dir / RUN_ID_FILE).write_text(run_id)
-
     def _setup_optimizers(self, module: TrainModule) -> None:
-        optimizers, schedulers = parse_optimizers(module.configure_optimizers())
-        foreign = [type(c.scheduler).__name__ for c in schedulers if not is_torch_scheduler(c.scheduler)]
-        if foreign and type(module).lr_scheduler_step is TrainModule.lr_scheduler_step:
-            raise MisconfigurationError(
-                f"the scheduler {foreign[0]} is not one of torch's, whose step() the Trainer knows how to call; define "
-                f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it, as in Lightning.")
-        if module.automatic_optimization:
-            check_closure_optimizer(optimizers, self.config.accumulate_grad_batches, self.config.precision)
-        self.optimizers = self.strategy.setup_optimizers(optimizers)
+        self.optimizers, self.lr_scheduler_configs, self.lr_scaler = build_optimizers(self, module)
         self.manual_optimizers = [ManualOptimizer(optimizer, self) for optimizer in self.optimizers]
-        self.lr_scheduler_configs = schedulers
-        workers = self.strategy.data_parallel_size * self.config.accumulate_grad_batches
-        self.lr_scaler = LRScaler(self.config.lr_scaling, workers, self.config.lr_warmup_steps)
-        self.lr_scaler.apply(self.optimizers, schedulers)
-        if self.lr_scaler.factor != 1.0 and self.is_global_zero:
-            rates = ", ".join(f"{group['lr']:.4g}" for opt in self.optimizers for group in opt.param_groups)
-            warmup = f", reached by linear warm-up over {self.config.lr_warmup_steps} steps" if self.config.lr_warmup_steps else ""
-            print(f"lr_scaling={self.config.lr_scaling}: learning rates x{self.lr_scaler.factor:g} (data-parallel size "
-                  f"{self.strategy.data_parallel_size} x accumulate_grad_batches {self.config.accumulate_grad_batches})"
-                  f" -> {rates}{warmup}")
 
     def adopt_worker_state(self, module: TrainModule, state: dict[str, Any]) -> None:
         """Take on the final state that the reporting worker of a job this Trainer started handed back

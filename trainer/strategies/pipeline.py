@@ -69,7 +69,9 @@ from trainer.strategies.pipeline_split import (
 def sendable(value: Any) -> Any:
     """A value the last stage logged, as its replica's other ranks get it: a Metric's state stays on this rank (its
     value for this batch goes), a tensor goes from the CPU."""
-    from torchmetrics import Metric  # heavy (it pulls in scipy): imported where a pipeline logs, not on import
+    from torchmetrics import (
+        Metric,  # heavy (it pulls in scipy): imported where a pipeline logs, not on import
+    )
 
     if isinstance(value, Metric):
         value = batch_value(value)
