@@ -37,15 +37,17 @@ def test_a_claim_takes_the_next_free_number_and_gives_back_only_what_it_created(
 def test_eight_fits_started_at_once_get_eight_folders_and_eight_whole_metrics_files(tmp_path):
     go = tmp_path / "go"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path / "root"), str(go), str(tmp_path / f"ready{i}")],
-                              cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True) for i in range(RUNS)]
+    command = [sys.executable, str(SCRIPT), str(tmp_path / "root"), str(go)]
+    procs = [subprocess.Popen([*command, str(tmp_path / f"ready{i}")], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for i in range(RUNS)]
     try:
         deadline = time.time() + 240
         while not all((tmp_path / f"ready{i}").exists() for i in range(RUNS)):
             failed = [proc for proc in procs if proc.poll() is not None]
             if failed or time.time() > deadline:
-                pytest.fail(f"a run ended before the start:\n{failed[0].communicate()[0][-3000:] if failed else 'timeout'}")
+                output = failed[0].communicate()[0][-3000:] if failed else "timeout"
+                pytest.fail(f"a run ended before the start:\n{output}")
             time.sleep(0.05)
         go.write_text("go")  # every run asks for its folder now
         outputs = [proc.communicate(timeout=240)[0] for proc in procs]

@@ -62,7 +62,8 @@ def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataL
 class FitEpochs:
     """The phases of fit_loop, and what they share over the fit: its loaders, where it validates, its step."""
 
-    def __init__(self, trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataLoader], guard: StepGuard) -> None:
+    def __init__(self, trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataLoader],
+                 guard: StepGuard) -> None:
         config = trainer.config
         self.trainer, self.config, self.guard = trainer, config, guard
         self.state, self.progress, self.module = trainer.loop_state, trainer.progress, trainer.module
@@ -155,7 +156,8 @@ class FitEpochs:
     def _batches(self) -> Iterable[tuple[int, Any, bool]]:
         batches = epoch_batches(self.train_loader, self.progress.epoch_batches, self.num_batches)
         if self.watch_data:
-            batches, self.watch_data = measure_data_wait(batches, functools.partial(_report_data_wait, self.trainer)), False
+            batches = measure_data_wait(batches, functools.partial(_report_data_wait, self.trainer))
+            self.watch_data = False
         return batches
 
     def end_epoch(self, finished: bool) -> None:
@@ -321,7 +323,8 @@ def _evaluation_epoch(trainer: Trainer, hook: str, loaders: list[DataLoader], li
     with metrics.scope(hook, in_step=True):
         for dataloader_idx, loader in enumerate(loaders):
             metrics.for_loader(dataloader_idx if several else None)
-            _batch_loop(trainer, hook, loader, dataloader_idx, several, batch_limit(loader, limit), before_batch, after_batch)
+            _batch_loop(trainer, hook, loader, dataloader_idx, several, batch_limit(loader, limit),
+                        before_batch, after_batch)
         metrics.for_loader(None)
     if saved_rng is not None:
         set_rng_state(saved_rng)

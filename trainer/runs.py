@@ -131,15 +131,16 @@ class RunFolder:
             if index < len(saved) and logger.continues(saved[index]):
                 logger.load_state_dict(saved[index])  # resume in the same run folder, same rows
                 continue
-            earlier = earlier_attempts_version(strategy.environment, logger.save_dir, logger.name) if rank_zero else None
+            environment = strategy.environment
+            earlier = earlier_attempts_version(environment, logger.save_dir, logger.name) if rank_zero else None
             if earlier is not None and not logger.version_chosen:
                 logger.version = earlier
             logger.version = strategy.broadcast(logger.version if rank_zero else None)
         if loggers:
             return
-        progress = checkpoint.get("loops", {})  # a resume continues in its run's folder, as loggers do through their state
-        ours = "version" in progress and progress.get("folder", run_folder(self.save_dir, self.name)) == run_folder(
-            self.save_dir, self.name)
+        # A resume continues in its run's folder, as loggers do through their state.
+        progress, here = checkpoint.get("loops", {}), run_folder(self.save_dir, self.name)
+        ours = "version" in progress and progress.get("folder", here) == here
         if rank_zero and self.version is None:
             self.version = earlier_attempts_version(strategy.environment, self.save_dir, self.name)
         version = progress["version"] if ours else self.number() if rank_zero else None

@@ -194,7 +194,8 @@ def restore_schedulers(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
 def restore_progress(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Where the run stood, in this run's batches per process."""
     trainer.progress.load_state_dict(checkpoint["loops"]["progress"])
-    _rescale_epoch_position(trainer, int(checkpoint["loops"].get("data_parallel_size", trainer.strategy.data_parallel_size)))
+    saved_size = checkpoint["loops"].get("data_parallel_size", trainer.strategy.data_parallel_size)
+    _rescale_epoch_position(trainer, int(saved_size))
 
 
 def restore_callbacks(trainer: Trainer, checkpoint: dict[str, Any]) -> None:

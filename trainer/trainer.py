@@ -68,7 +68,8 @@ class Trainer:
         self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
         self.strategy.timeout = float(self.config.timeout)
         self.loggers: list[Logger] = build_loggers(self.config, self.config.logger)
-        self.callbacks: list[Callback] = with_default_callbacks(self.config, callback_list(callbacks, "callbacks must be"))
+        given = callback_list(callbacks, "callbacks must be")
+        self.callbacks: list[Callback] = with_default_callbacks(self.config, given)
         self.strategy.check_config(self.config, self.callbacks)
         self.stage: str | None = None
         self.module: TrainModule | None = None
@@ -95,7 +96,7 @@ class Trainer:
             self.callbacks, self._callbacks_configured_by = module_callbacks(self, module), module
 
     # ------------------------------------------------------------------ public state
-    sanity_checking = _loop_field("sanity_checking", "In fit's sanity check (a few validation batches before training).")
+    sanity_checking = _loop_field("sanity_checking", "In fit's sanity check (validation batches before training).")
     train_dataloader = _loop_field("train_dataloader", "This rank's training loader, during fit.")
     val_dataloaders = _loop_field("val_dataloaders", "The validation loaders a fit validates on (none: off).")
     num_training_batches = _loop_field("num_training_batches", "Training batches per epoch (math.inf: unsized).")
@@ -357,8 +358,8 @@ class Trainer:
         if datamodule is not None:
             datamodule.trainer = self
         last_logged_step = self._metrics.rows.last_logged_step  # a later fit goes on at the same step
-        self._metrics = MetricCollector(self.strategy.reduce, self.loggers, self.progress, self.config.log_every_n_steps,
-                                        writes=self.is_global_zero)
+        self._metrics = MetricCollector(self.strategy.reduce, self.loggers, self.progress,
+                                        self.config.log_every_n_steps, writes=self.is_global_zero)
         self._metrics.rows.last_logged_step = last_logged_step
 
     def _prepare_stage(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
