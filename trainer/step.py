@@ -34,7 +34,7 @@ class TrainStep:
         self.trainer, self.guard = trainer, guard
         self.strategy, self.module, self.progress = trainer.strategy, trainer.module, trainer.progress
         self.metrics = trainer.metrics
-        self.rows = trainer.metrics.rows  # the step's values are published straight to the rows: one call fewer
+        self.rows = trainer.metrics.rows  # where the step publishes its values (no Trainer method in between)
         self.automatic = trainer.module.automatic_optimization
         self.accumulate = config.accumulate_grad_batches
         self.loss_scale = 1.0 / config.accumulate_grad_batches
