@@ -14,7 +14,7 @@ import pytest
 
 from trainer.runs import VersionClaim
 
-SCRIPT = Path(__file__).parent / "runs" / "race_script.py"
+SCRIPT = Path(__file__).parent / "version_race" / "race_script.py"
 RUNS = 8
 
 
