@@ -137,15 +137,18 @@ class FitEpochs:
                     and resumed_at != progress.validated_batches):
                 self._validate_mid_epoch()  # resumed from a checkpoint taken before this validation
             finished = False
+            # Locals: this loop runs every step, where each attribute lookup costs (benchmarks/overhead.py).
+            train_step, guard, step_limit, val_every, window = (self.train_step, self.guard, self.step_limit,
+                                                                self.val_every, self.window)
             for batch_idx, batch, is_last in self._batches():
-                if self.train_step(batch, batch_idx, is_last):
+                if train_step(batch, batch_idx, is_last):
                     return True  # on_train_batch_start returned -1: the epoch ends here and counts as done
                 finished = is_last and progress.epoch_batches == batch_idx + 1
                 # The last batch (or the step that reaches max_steps) validates after the loop, once.
-                steps_done = progress.global_step >= self.step_limit
-                if self._validates_after(batch_idx + 1) and not is_last and not steps_done:
+                steps_done = progress.global_step >= step_limit
+                if validates_after(batch_idx + 1, val_every, window) and not is_last and not steps_done:
                     self._validate_mid_epoch()
-                self.guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
+                guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
                 # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
                 if steps_done or state.should_stop and progress.epoch >= config.min_epochs:
                     return finished
