@@ -818,7 +818,7 @@ def test_progress_bar_is_drawn_by_richs_thread_with_no_work_per_batch(tmp_path):
     bar = RichProgressBar(refresh_interval=0.02, console=console)
     module = WaitsForTheBar(bar)
     trainer = make_trainer(tmp_path, [bar], max_epochs=1)
-    assert trainer.hook("on_train_batch_end") is None  # the step calls nothing for the bar
+    assert trainer.hooks.bound("on_train_batch_end") is None  # the step calls nothing for the bar
     trainer.fit(module, *loaders(samples=64, batch_size=2))
     assert module.seen == 5
     assert "5/32" in console.file.getvalue() and "32/32" in console.file.getvalue()

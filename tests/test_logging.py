@@ -515,7 +515,7 @@ def test_a_fit_too_short_for_its_logging_interval_says_so(datasets, tmp_path):
 
 
 def test_a_torchrun_jobs_folder_is_the_one_its_run_id_marked_last(tmp_path):
-    from trainer.logging import RUN_ID_FILE, version_of_job
+    from trainer.runs import RUN_ID_FILE, version_of_job
 
     for version, when in (("version_0", 1_000), ("version_1", 2_000), ("version_2", 3_000)):
         (tmp_path / "exp" / version).mkdir(parents=True)

@@ -371,7 +371,8 @@ def test_a_step_calls_only_the_hooks_in_use():
     trainer = Trainer(max_epochs=1, callbacks=[ModelCheckpoint()], **{**QUIET, "enable_checkpointing": True})
     trainer.fit(Counting(), loader())
     # ModelCheckpoint overrides on_train_batch_end, but saves at epoch ends only: it is not called per batch.
-    assert [trainer.hook(f"on_{name}") for name in ("train_batch_start", "after_backward", "train_batch_end")] == [None] * 3
+    hooks = ("train_batch_start", "after_backward", "train_batch_end")
+    assert [trainer.hooks.bound(f"on_{name}") for name in hooks] == [None] * 3
     every_step = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
     recorder = Recorder()
     trainer = Trainer(max_epochs=1, callbacks=[every_step, recorder], **{**QUIET, "enable_checkpointing": True})

@@ -39,7 +39,6 @@ from trainer.environment import (
     usable_cores,
 )
 from trainer.errors import MisconfigurationError
-from trainer.loop import Progress
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -176,17 +175,11 @@ def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> Non
     if state is None:
         return
     module.load_state_dict(state["state_dict"])
-    trainer.module = module
-    trainer.progress = Progress(**state["progress"])
     for callback in trainer.callbacks:
         if callback.state_key in state["callbacks"]:
             attributes = _CallerObjects(io.BytesIO(state["callbacks"][callback.state_key]), trainer, module).load()
             vars(callback).update(attributes)
-    trainer.callback_metrics, trainer.logged_metrics = state["callback_metrics"], state["logged_metrics"]
-    trainer._bar_values = {name: torch.tensor(value) for name, value in state["progress_bar_metrics"].items()}
-    for logger, logger_state in zip(trainer.loggers, state["loggers"]):
-        logger.load_state_dict(logger_state)
-    trainer._version, trainer.data_wait = state["version"], state["data_wait"]
+    trainer.adopt_worker_state(module, state)
 
 
 def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:

@@ -1,16 +1,12 @@
-"""`self.log` collection (step values, epoch aggregates, cross-rank reduction) and the CSV/TensorBoard writers."""
+"""`self.log` collection (step values, epoch aggregates, cross-rank reduction) and the rows it writes to the loggers."""
 
 from __future__ import annotations
 
-import csv
-import io
 import numbers
-import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,8 +14,20 @@ import torch
 from trainer.data import batch_size_of
 from trainer.errors import MisconfigurationError
 
+# The writers live in trainer/loggers.py; their names stay importable from here, where they always were.
+from trainer.loggers import (  # noqa: F401
+    CSVLogger,
+    Logger,
+    TensorBoardLogger,
+    _atomic_write_text,
+    hparams_yaml,
+    print_results_table,
+)
+
 if TYPE_CHECKING:
     from torchmetrics import Metric
+
+    from trainer.loop import Progress
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
 _HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))  # a set: `in` a tuple compares dtypes with ==, slower per step
@@ -70,8 +78,11 @@ class _Entry:
 class MetricCollector:
     """What `self.log` writes into during one stage (fit, validate, test) of a run."""
 
-    def __init__(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+    def __init__(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], loggers: list[Logger] | None = None,
+                 progress: Progress | None = None, log_every_n_steps: int = 1, writes: bool = True) -> None:
         self._reduce = reduce
+        # The rows: where they go (only rank 0 `writes`), at which step, and what callbacks and the bar see.
+        self.rows = MetricRows(loggers or [], progress, log_every_n_steps, writes)
         # Keyed by (stage, name): a validation in the middle of a training epoch aggregates and resets its own
         # values only, never the training epoch's running ones.
         self._entries: dict[tuple[str, str], _Entry] = {}
@@ -82,9 +93,40 @@ class MetricCollector:
         # when it is also aggregated per epoch, under `<name>_step`.
         self._step_for_callbacks: dict[str, torch.Tensor] = {}
         self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
-        self.in_step = True  # False in hooks that run once per epoch or stage: only per-epoch values there
-        self.name_suffix = ""  # "/dataloader_idx_<i>" while one of several evaluation loaders runs
+        # Set through `scope`: False in hooks that run once per epoch or stage (only per-epoch values there).
+        self.in_step = True
+        self.name_suffix = ""  # "/dataloader_idx_<i>" while one of several evaluation loaders runs (`for_loader`)
         self.stage = "train"
+
+    def scope(self, stage: str, in_step: bool) -> _Scope:
+        """`with collector.scope(stage, in_step):` what is logged inside counts for `stage`, per step or (in hooks
+        that run once per epoch or stage) per epoch; the previous stage and mode come back on leaving."""
+        return _Scope(self, stage, in_step)
+
+    def for_loader(self, index: int | None) -> None:
+        """Name what is logged from now on after evaluation loader `index` (None: one loader, names as they are)."""
+        self.name_suffix = f"/dataloader_idx_{index}" if index is not None else ""
+
+    def recording(self, convert: Callable[[Any], Any]) -> _Recording:
+        """`with collector.recording(convert) as records:` `log` calls are kept in `records` as (name,
+        convert(value), options) instead of being collected; another rank `replay`s them (the pipeline's last
+        stage computes what its replica's ranks log)."""
+        return _Recording(self, convert)
+
+    def publish_epoch(self, write: bool = True, log: bool = True) -> dict[str, float]:
+        """Aggregate the current stage's epoch values and publish them (MetricRows.publish_epoch); returns them as
+        floats. `log=False` (a sanity check) drops them."""
+        values = self.epoch_values()
+        return self.rows.publish_epoch(values, write) if log else {}
+
+    def publish_eval_step(self, write: bool) -> None:
+        """Publish what an evaluation step logged with on_step=True (MetricRows.publish_eval_step)."""
+        self.rows.publish_eval_step(self.take_step_values(), write)
+
+    def replay(self, records: list[tuple[str, Any, tuple[Any, ...]]]) -> None:
+        """Log what another rank recorded (`recording`), as if logged here."""
+        for name, value, options in records:
+            self.log(name, value, *options)
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
@@ -225,250 +267,130 @@ class MetricCollector:
         self._entries.clear()
 
 
-# --------------------------------------------------------------------------- writers
+class _Scope:
+    """MetricCollector.scope: a class rather than a generator, as the loop enters one per epoch and per validation."""
+
+    __slots__ = ("collector", "stage", "in_step", "saved")
+
+    def __init__(self, collector: MetricCollector, stage: str, in_step: bool) -> None:
+        self.collector, self.stage, self.in_step = collector, stage, in_step
+        self.saved = (collector.stage, collector.in_step)
+
+    def __enter__(self) -> MetricCollector:
+        collector = self.collector
+        self.saved = (collector.stage, collector.in_step)
+        collector.stage, collector.in_step = self.stage, self.in_step
+        return collector
+
+    def __exit__(self, *exc: object) -> None:
+        self.collector.stage, self.collector.in_step = self.saved
 
 
-def next_version(save_dir: str | Path, name: str) -> int:
-    """The first free `version_<n>` number under `<save_dir>/<name>`."""
-    root = Path(save_dir) / name
-    taken = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
-    return max(taken, default=-1) + 1
+class _Recording:
+    """MetricCollector.recording. The collector's `log` is shadowed by an instance attribute while it lasts, so that
+    the usual path of `log`, which runs every step, checks for nothing."""
+
+    def __init__(self, collector: MetricCollector, convert: Callable[[Any], Any]) -> None:
+        self.collector, self.convert = collector, convert
+        self.records: list[tuple[str, Any, tuple[Any, ...]]] = []
+
+    def _record(self, name: str, value: Any, *options: Any) -> None:
+        self.records.append((name, self.convert(value), options))
+
+    def __enter__(self) -> list[tuple[str, Any, tuple[Any, ...]]]:
+        self.collector.log = self._record  # type: ignore[method-assign]
+        return self.records
+
+    def __exit__(self, *exc: object) -> None:
+        del self.collector.log
 
 
-RUN_ID_FILE = ".elastic_run_id"  # in a version folder: the torchrun job whose attempts all write there
+_EPOCH_SUFFIX = re.compile(r"_epoch(?=$|/dataloader_idx_\d+$)")
 
 
-def version_of_job(save_dir: str | Path, name: str, run_id: str) -> int | str | None:
-    """The version under `<save_dir>/<name>` whose folder an earlier attempt of torchrun job `run_id` marked: the
-    most recently marked one, as a reused --rdzv-id may have marked an older job's folder too."""
-    marked = []
-    for marker in (Path(save_dir) / name).glob("*/" + RUN_ID_FILE):
-        try:
-            if marker.read_text().strip() == run_id:
-                marked.append((marker.stat().st_mtime_ns, marker.parent.name))
-        except OSError:
-            continue
-    if not marked:
-        return None
-    folder = max(marked)[1]
-    number = re.fullmatch(r"version_(\d+)", folder)
-    return int(number.group(1)) if number else folder
+class MetricRows:
+    """The values a stage has made visible (callback_metrics, logged_metrics, the bar's) and the rows it writes:
+    one per logging step, and one per epoch, each also holding what the hooks that follow its values log."""
 
+    def __init__(self, loggers: list[Logger], progress: Progress | None, log_every_n_steps: int, writes: bool) -> None:
+        self.loggers, self.progress, self.log_every_n_steps, self.writes = loggers, progress, log_every_n_steps, writes
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, float] = {}
+        # What prog_bar=True logged, kept as tensors: a float per step would be a device sync per step.
+        self.bar_values: dict[str, torch.Tensor] = {}
+        self.last_logged_step = -1
+        self.step_row: dict[str, torch.Tensor] | None = None  # a step's values waiting for on_train_batch_end
+        self.row_written_early = False
+        self.epoch_row: dict[str, torch.Tensor] | None = None  # an epoch's values waiting for on_train_epoch_end
 
-def run_folder(save_dir: str | Path, name: str) -> str:
-    """Where runs of this name are numbered, as checkpoints record it: a resume continues a run's version
-    only in the same place, so a checkpoint taken from another run never writes into this one's folder."""
-    return str((Path(save_dir) / name).resolve())
+    def publish_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool = True) -> None:
+        """Make a step's (for loggers, for the bar, for callbacks) values visible; write them every n steps. With
+        `write=False` the row waits for the next call, so that it also holds what on_train_batch_end logs."""
+        for_logger, for_bar, for_callbacks = step_values
+        if for_bar:
+            self.bar_values.update(for_bar)
+        if for_callbacks:
+            self.callback_metrics.update(for_callbacks)
+        if for_logger:
+            pending = self.step_row
+            self.step_row = {**pending, **for_logger} if pending else for_logger
+        if write:
+            if self.step_row:
+                self.write_step_row()
+            self.row_written_early = False
 
+    def write_step_row(self) -> None:
+        """Write the pending step row (there is one), if this step is due for logging."""
+        row, self.step_row = self.step_row, None
+        step = self.progress.batches_stepped
+        # One row per step: later micro-batches of an accumulated step share it and are not written, unless a
+        # checkpoint wrote the step's row early (flush) and on_train_batch_end logged more after it.
+        if step % self.log_every_n_steps == 0 and (step != self.last_logged_step or self.row_written_early):
+            self.last_logged_step = step
+            self.write(row, step)
 
-def version_folder(version: int | str) -> str:
-    """`version_<n>` for a number; a name given as a string is the folder's name as it is (as in Lightning)."""
-    return version if isinstance(version, str) else f"version_{version}"
+    def publish_eval_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool) -> None:
+        """What an evaluation step logged with on_step=True: to the bar, and (`write`) to the loggers, at the
+        training step it was logged in."""
+        for_logger, for_bar, _ = step_values
+        if for_bar:
+            self.bar_values.update(for_bar)
+        if for_logger and write:
+            self.write(for_logger, self.progress.batches_stepped)
 
+    def publish_epoch(self, epoch_values: tuple[dict[str, torch.Tensor], ...], write: bool = True) -> dict[str, float]:
+        """Make an epoch's aggregates visible and write them; returns every one, logger=False ones too. With
+        `write=False` their row waits for the next call, so that it also holds what the epoch-end hooks log."""
+        for_logger, for_bar, for_callbacks = epoch_values
+        self.callback_metrics.update(for_callbacks)
+        for key, value in for_callbacks.items():  # `loss_epoch` (or `loss_epoch/dataloader_idx_1`) is also `loss`
+            name = _EPOCH_SUFFIX.sub("", key, count=1)
+            if name != key:
+                self.callback_metrics[name] = value
+        self.bar_values.update(for_bar)
+        if for_logger:
+            self.epoch_row = {**self.epoch_row, **for_logger} if self.epoch_row else for_logger
+        if write and self.epoch_row:
+            self.write_epoch_row()
+        return {k: float(v) for k, v in for_callbacks.items()}
 
-class Logger:
-    """A metrics writer. `log_dir` is `<save_dir>/<name>/version_<n>`; only rank 0 writes. A `prefix` is put
-    before every metric name, joined by '-', as in Lightning."""
+    def write_epoch_row(self) -> None:
+        row, self.epoch_row = self.epoch_row, None
+        self.write(row, self.progress.batches_stepped)
 
-    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | str | None = None,
-                 prefix: str = "") -> None:
-        self.save_dir = Path(save_dir)
-        self.name = name
-        self._version = version
-        self.prefix = prefix
+    def flush(self) -> None:
+        """Write the rows still waiting for their hooks (a checkpoint saved in those hooks counts them)."""
+        if self.step_row:
+            self.write_step_row()
+            self.row_written_early = True
+        if self.epoch_row:
+            self.write_epoch_row()
 
-    def prefixed(self, metrics: Mapping[str, float]) -> Mapping[str, float]:
-        """`metrics` with this logger's prefix on their names."""
-        return {f"{self.prefix}-{name}": value for name, value in metrics.items()} if self.prefix else metrics
-
-    @property
-    def version(self) -> int | str:
-        if self._version is None:
-            self._version = next_version(self.save_dir, self.name)
-        return self._version
-
-    @version.setter
-    def version(self, value: int | str) -> None:
-        self._version = value
-
-    @property
-    def version_chosen(self) -> bool:
-        """Whether the version is set (given, restored or numbered) rather than still to be numbered."""
-        return self._version is not None
-
-    @property
-    def log_dir(self) -> Path:
-        return self.save_dir / self.name / version_folder(self.version)
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None: ...
-    def save(self) -> None: ...
-    def finalize(self) -> None:
-        self.save()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "folder": run_folder(self.save_dir, self.name)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._version = state["version"]
-
-    def continues(self, state: dict[str, Any]) -> bool:
-        """Whether a checkpoint's state of a logger is this logger's run, which a resume continues (checkpoints
-        written before they recorded their folder are taken to be)."""
-        return state.get("folder", run_folder(self.save_dir, self.name)) == run_folder(self.save_dir, self.name)
-
-
-def print_results_table(results: list[dict[str, float]], stage: str) -> None:
-    """The metrics of a validate/test run as a table: a row per metric, a column per dataloader."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{stage} results", title_justify="left")
-    table.add_column("metric")
-    for index in range(len(results)):
-        table.add_column(f"dataloader {index}" if len(results) > 1 else "value", justify="right")
-    for name in sorted({name for metrics in results for name in metrics}):
-        table.add_row(name, *(f"{metrics[name]:.6g}" if name in metrics else "" for metrics in results))
-    Console().print(table)
-
-
-def hparams_yaml(params: Mapping[str, Any]) -> str:
-    """Hyperparameters as YAML; a value YAML cannot hold (a dtype, a module, however deeply nested) as its repr."""
-    # Imported when first needed, so `import trainer` costs little more than `import torch`.
-    from omegaconf import OmegaConf
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-            return [plain(v) for v in value]
-        return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
-
-    return OmegaConf.to_yaml(OmegaConf.create(plain(params)))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class CSVLogger(Logger):
-    """metrics.csv (one row per logging step, one column per metric) and hparams.yaml in the version folder."""
-
-    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None,
-                 prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
-        super().__init__(save_dir, name, version, prefix)
-        self.flush_logs_every_n_steps = flush_logs_every_n_steps
-        self.rows: list[dict[str, Any]] = []
-        self._columns: list[str] = []
-        self._written = 0  # rows already on disk under the current header
-        self._redoable: list[dict[str, Any]] = []  # see load_state_dict
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.log_dir / "metrics.csv"
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        row = {"step": step, **self.prefixed(metrics)}
-        if self._redoable:
-            self._drop_redone(row)
-        self.rows.append(row)
-        if len(self.rows) - self._written >= self.flush_logs_every_n_steps:
-            self.save()
-
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
-
-    def save(self) -> None:
-        if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
-            return  # nothing new; a run that logged nothing (it failed before starting) leaves no folder behind
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        columns = list(self._columns)
-        for row in self.rows[self._written:]:
-            columns.extend(k for k in row if k not in columns)
-        if columns != self._columns or not self.metrics_path.exists():
-            # A new metric name widens the header: rewrite the whole file (atomically).
-            buffer = io.StringIO()
-            writer = csv.DictWriter(buffer, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
-            _atomic_write_text(self.metrics_path, buffer.getvalue())
-            self._columns = columns
-        else:
-            with open(self.metrics_path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=columns).writerows(self.rows[self._written:])
-        self._written = len(self.rows)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rows": len(self.rows)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume in the same folder with the rows logged before the checkpoint, and those logged after it at
-        its step or earlier (a test run after the fit). Rows of later steps are the interrupted run's, which
-        the resumed one logs again; so are rows at its step that the resumed fit logs again (a validation or
-        an epoch end that followed the checkpoint): each such row is replaced by the new one."""
-        super().load_state_dict(state)
-        rows = []
-        if self.metrics_path.exists():
-            with open(self.metrics_path, newline="") as f:
-                for row in csv.DictReader(f):
-                    # step and epoch were written as ints: read them back as ints, or the rewrite says "0.0".
-                    counts = ("step", "epoch", f"{self.prefix}-epoch")
-                    rows.append({k: int(float(v)) if k in counts else float(v) for k, v in row.items() if v != ""})
-        saved, step = state.get("rows", len(rows)), state.get("step", -1)
-        kept_after = [row for row in rows[saved:] if row.get("step", step + 1) <= step]
-        self.rows = rows[:saved] + kept_after
-        self._redoable = [row for row in kept_after if row.get("step") == step]
-        self._columns, self._written = [], 0  # forces a rewrite that drops the rows left out
-
-    def _drop_redone(self, row: dict[str, Any]) -> None:
-        if row["step"] > self._redoable[0]["step"]:
-            self._redoable = []  # the resumed fit has moved past its checkpoint's step
-            return
-        old = next((old for old in self._redoable if old.keys() == row.keys() and old["step"] == row["step"]), None)
-        if old is not None:
-            self._redoable.remove(old)
-            self.rows = [kept for kept in self.rows if kept is not old]
-            self._columns, self._written = [], 0
-
-
-class TensorBoardLogger(Logger):
-    """Event files for TensorBoard, through torch's SummaryWriter (needs the tensorboard package)."""
-
-    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None,
-                 prefix: str = "") -> None:
-        super().__init__(save_dir, name, version, prefix)
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as err:
-            raise MisconfigurationError("TensorBoardLogger needs tensorboard: pip install 'trainer[tensorboard]'.") from err
-        self._writer = None
-
-    @property
-    def writer(self) -> Any:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
-        return self._writer
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        for key, value in self.prefixed(metrics).items():
-            self.writer.add_scalar(key, value, step)
-
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self.writer.add_text("hparams", hparams_yaml(params))
-
-    def save(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_writer"] = None  # SummaryWriter holds a thread and a file: re-open in the worker
-        return state
+    def write(self, values: dict[str, Any], step: int) -> None:
+        """One row for the loggers: `values` as floats, and the epoch they were logged in."""
+        floats: dict[str, Any] = {k: float(v) for k, v in values.items()}
+        self.logged_metrics.update(floats)  # what was logged; the epoch column is the loggers' (as in Lightning)
+        floats.setdefault("epoch", self.progress.epoch)
+        if self.writes:
+            for logger in self.loggers:
+                logger.log_metrics(floats, step)

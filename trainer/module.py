@@ -370,9 +370,9 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         """Backward through the strategy (grad scaling, DDP hooks) under manual optimization, between the
         on_before_backward and on_after_backward hooks, as in automatic optimization."""
         trainer = self.trainer
-        trainer.call("on_before_backward", loss)
+        trainer.hooks.call("on_before_backward", loss)
         trainer.strategy.backward(loss)
-        trainer.call("on_after_backward")
+        trainer.hooks.call("on_after_backward")
 
     def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:

@@ -268,7 +268,7 @@ class ManualOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; a `closure` (LBFGS) goes to the optimizer itself, which may call it several times."""
-        self._trainer.call("on_before_optimizer_step", self.optimizer)
+        self._trainer.hooks.call("on_before_optimizer_step", self.optimizer)
         result = self._trainer.strategy.optimizer_step(self.optimizer) if closure is None else self.optimizer.step(closure)
         self._trainer.progress.global_step += 1
         return result

@@ -22,6 +22,7 @@ from trainer.checkpoint import saved_position
 from trainer.errors import CheckpointError, MisconfigurationError
 
 if TYPE_CHECKING:
+    from trainer.module import TrainModule
     from trainer.strategies import Strategy
     from trainer.trainer import Trainer
 
@@ -62,6 +63,18 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint
     if not path.is_file():
         raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
     return path
+
+
+def default_ckpt_path(trainer: Trainer, stage: str, module: TrainModule | None, ckpt_path: str | Path | None,
+                      calls_below_user: int) -> str | Path | None:
+    """As in Lightning: called after a fit with neither a module nor a ckpt_path, a stage evaluates the fit's
+    best checkpoint (where one was kept), not its last weights, and says so."""
+    best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+    if module is not None or ckpt_path is not None or trainer.module is None or not best:
+        return ckpt_path
+    warnings.warn(f"Trainer.{stage} was called without a module: it uses the previous fit's best checkpoint, "
+                  f"{best}; pass ckpt_path='last' (or a path), or the module, to choose.", stacklevel=2 + calls_below_user)
+    return "best"
 
 
 def _last_checkpoint_places(trainer: Trainer) -> list[tuple[Path, str]]:

@@ -34,6 +34,7 @@ class TrainStep:
         self.trainer, self.guard = trainer, guard
         self.strategy, self.module, self.progress = trainer.strategy, trainer.module, trainer.progress
         self.metrics = trainer.metrics
+        self.rows = trainer.metrics.rows  # where the step publishes its values (no Trainer method in between)
         self.automatic = trainer.module.automatic_optimization
         self.accumulate = config.accumulate_grad_batches
         self.loss_scale = 1.0 / config.accumulate_grad_batches
@@ -43,12 +44,13 @@ class TrainStep:
         self.lr_scaler = trainer.lr_scaler
         self.step_schedulers = [s for s in trainer.lr_scheduler_configs if s.interval == "step"]
         # None where nobody overrides the hook.
-        self.on_train_batch_start = trainer.hook("on_train_batch_start")
-        self.on_before_backward = trainer.hook("on_before_backward")
-        self.on_after_backward = trainer.hook("on_after_backward")
-        self.on_before_optimizer_step = trainer.hook("on_before_optimizer_step")
-        self.on_before_zero_grad = trainer.hook("on_before_zero_grad")
-        self.on_train_batch_end = trainer.hook("on_train_batch_end")
+        hooks = trainer.hooks
+        self.on_train_batch_start = hooks.bound("on_train_batch_start")
+        self.on_before_backward = hooks.bound("on_before_backward")
+        self.on_after_backward = hooks.bound("on_after_backward")
+        self.on_before_optimizer_step = hooks.bound("on_before_optimizer_step")
+        self.on_before_zero_grad = hooks.bound("on_before_zero_grad")
+        self.on_train_batch_end = hooks.bound("on_train_batch_end")
         # Lightning's optimizer hooks where the module overrides them; None: the loop's own path.
         self.module_optimizer_step = overridden(trainer.module, "optimizer_step", TrainModule)
         self.module_zero_grad = overridden(trainer.module, "optimizer_zero_grad", TrainModule)
@@ -86,11 +88,11 @@ class TrainStep:
                     outputs = self.optimizer_step(batch, batch_idx, outputs)
         progress.epoch_batches = batch_idx + 1
         if self.on_train_batch_end is None:
-            self.trainer.publish_step_metrics()
+            self.rows.publish_step(self.metrics.take_step_values())
         else:  # the hooks see this step's values, and the step's row also holds what they log
-            self.trainer.publish_step_metrics(write=False)
+            self.rows.publish_step(self.metrics.take_step_values(), write=False)
             self.on_train_batch_end(outputs, batch, batch_idx)
-            self.trainer.publish_step_metrics()
+            self.rows.publish_step(self.metrics.take_step_values())
 
     def _skipped_batch(self, batch_idx: int, is_last: bool) -> None:
         """training_step returned None: no backward and no optimizer step for this batch (gradients accumulated

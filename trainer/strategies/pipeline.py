@@ -35,25 +35,18 @@ from trainer.strategies.pipeline_split import (
 from trainer.strategies.process_group import ProcessGroupStrategy
 
 
-class LogRecorder:
-    """Stands in for the trainer's MetricCollector on the last stage: keeps `self.log` calls to send them on."""
+def sendable(value: Any) -> Any:
+    """A value the last stage logged, as its replica's other ranks get it: a Metric's state stays on this rank (its
+    value for this batch goes), a tensor goes from the CPU."""
+    from torchmetrics import (
+        Metric,  # heavy (it pulls in scipy): imported where a pipeline logs, not on import
+    )
 
-    def __init__(self, collector: Any) -> None:
-        self.collector = collector
-        self.records: list[tuple[str, Any, tuple[Any, ...]]] = []
-
-    def log(self, name: str, value: Any, *options: Any) -> None:
-        """MetricCollector.log's signature: TrainModule.log passes its options positionally."""
-        from torchmetrics import Metric
-
-        if isinstance(value, Metric):
-            value = batch_value(value)  # a Metric's state stays on this rank: send its value for this batch
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
-        self.records.append((name, value, options))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.collector, name)
+    if isinstance(value, Metric):
+        value = batch_value(value)
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+    return value
 
 
 class PipelineStrategy(ProcessGroupStrategy):
@@ -317,27 +310,22 @@ class PipelineStrategy(ProcessGroupStrategy):
             return distributed.broadcast_object(output, src=self._last_global_rank, group=self._pp_group)
         result, records = self._last_stage_eval(step_name, output, batch, batch_idx, dataloader_idx) if self._last_here else (None, None)
         records = distributed.broadcast_object(records, src=self._last_global_rank, group=self._pp_group)
-        collector = self.module.trainer.metrics
-        for name, value, options in records:
-            collector.log(name, value, *options)
+        self.module.trainer.metrics.replay(records)
         return result
 
     def _last_stage_eval(self, step_name: str, output: Any, batch: Any, batch_idx: int,
                          dataloader_idx: int | None) -> tuple[Any, list[tuple[str, Any, tuple[Any, ...]]]]:
-        trainer = self.module.trainer
-        recorder = trainer.metrics = LogRecorder(trainer.metrics)
-        try:
+        # What the step logs is computed here alone: recorded, then sent to the replica's ranks to log.
+        with self.module.trainer.metrics.recording(sendable) as records:
             with self.precision.autocast():
                 hook = getattr(self.module, f"pipeline_{step_name}", None)
                 if hook is not None:
                     extra = (dataloader_idx,) if dataloader_idx is not None else ()
-                    return hook(output, batch, batch_idx, *extra), recorder.records
+                    return hook(output, batch, batch_idx, *extra), records
                 loss = self.module.pipeline_loss(output, batch)
             prefix = "val" if step_name == "validation_step" else "test"
             self.module.log(f"{prefix}/loss", loss, prog_bar=True, sync_dist=True)
-            return loss, recorder.records
-        finally:
-            trainer.metrics = recorder.collector
+            return loss, records
 
     @override
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:

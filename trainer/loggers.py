@@ -1,0 +1,226 @@
+"""Metric writers: the Logger base (a run's version folder), CSVLogger and TensorBoardLogger."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import MisconfigurationError
+from trainer.runs import VersionClaim, run_folder, version_folder
+
+
+class Logger:
+    """A metrics writer. `log_dir` is `<save_dir>/<name>/version_<n>`; only rank 0 writes. A `prefix` is put
+    before every metric name, joined by '-', as in Lightning."""
+
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | str | None = None,
+                 prefix: str = "") -> None:
+        self.save_dir = Path(save_dir)
+        self.name = name
+        self._version = version
+        self.prefix = prefix
+        self._claim: VersionClaim | None = None
+
+    def prefixed(self, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        """`metrics` with this logger's prefix on their names."""
+        return {f"{self.prefix}-{name}": value for name, value in metrics.items()} if self.prefix else metrics
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._claim = VersionClaim(self.save_dir, self.name)
+            self._version = self._claim.version
+        return self._version
+
+    @version.setter
+    def version(self, value: int | str) -> None:
+        self._version = value
+
+    @property
+    def version_chosen(self) -> bool:
+        """Whether the version is set (given, restored or numbered) rather than still to be numbered."""
+        return self._version is not None
+
+    @property
+    def log_dir(self) -> Path:
+        return self.save_dir / self.name / version_folder(self.version)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None: ...
+    def save(self) -> None: ...
+    def finalize(self) -> None:
+        self.save()
+        claim = getattr(self, "_claim", None)  # a subclass may not call Logger.__init__
+        if claim is not None:
+            claim.release()  # a run that wrote nothing leaves no folder behind
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "folder": run_folder(self.save_dir, self.name)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._version = state["version"]
+
+    def continues(self, state: dict[str, Any]) -> bool:
+        """Whether a checkpoint's state of a logger is this logger's run, which a resume continues (checkpoints
+        written before they recorded their folder are taken to be)."""
+        return state.get("folder", run_folder(self.save_dir, self.name)) == run_folder(self.save_dir, self.name)
+
+
+def print_results_table(results: list[dict[str, float]], stage: str) -> None:
+    """The metrics of a validate/test run as a table: a row per metric, a column per dataloader."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{stage} results", title_justify="left")
+    table.add_column("metric")
+    for index in range(len(results)):
+        table.add_column(f"dataloader {index}" if len(results) > 1 else "value", justify="right")
+    for name in sorted({name for metrics in results for name in metrics}):
+        table.add_row(name, *(f"{metrics[name]:.6g}" if name in metrics else "" for metrics in results))
+    Console().print(table)
+
+
+def hparams_yaml(params: Mapping[str, Any]) -> str:
+    """Hyperparameters as YAML; a value YAML cannot hold (a dtype, a module, however deeply nested) as its repr."""
+    # Imported when first needed, so `import trainer` costs little more than `import torch`.
+    from omegaconf import OmegaConf
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            return [plain(v) for v in value]
+        return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+
+    return OmegaConf.to_yaml(OmegaConf.create(plain(params)))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CSVLogger(Logger):
+    """metrics.csv (one row per logging step, one column per metric) and hparams.yaml in the version folder."""
+
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None,
+                 prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+        super().__init__(save_dir, name, version, prefix)
+        self.flush_logs_every_n_steps = flush_logs_every_n_steps
+        self.rows: list[dict[str, Any]] = []
+        self._columns: list[str] = []
+        self._written = 0  # rows already on disk under the current header
+        self._redoable: list[dict[str, Any]] = []  # see load_state_dict
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.log_dir / "metrics.csv"
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        row = {"step": step, **self.prefixed(metrics)}
+        if self._redoable:
+            self._drop_redone(row)
+        self.rows.append(row)
+        if len(self.rows) - self._written >= self.flush_logs_every_n_steps:
+            self.save()
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
+
+    def save(self) -> None:
+        if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
+            return  # nothing new; a run that logged nothing (it failed before starting) leaves no folder behind
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        columns = list(self._columns)
+        for row in self.rows[self._written:]:
+            columns.extend(k for k in row if k not in columns)
+        if columns != self._columns or not self.metrics_path.exists():
+            # A new metric name widens the header: rewrite the whole file (atomically).
+            buffer = io.StringIO()
+            writer = csv.DictWriter(buffer, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+            _atomic_write_text(self.metrics_path, buffer.getvalue())
+            self._columns = columns
+        else:
+            with open(self.metrics_path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=columns).writerows(self.rows[self._written:])
+        self._written = len(self.rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume in the same folder with the rows logged before the checkpoint, and those logged after it at
+        its step or earlier (a test run after the fit). Rows of later steps are the interrupted run's, which
+        the resumed one logs again; so are rows at its step that the resumed fit logs again (a validation or
+        an epoch end that followed the checkpoint): each such row is replaced by the new one."""
+        super().load_state_dict(state)
+        rows = []
+        if self.metrics_path.exists():
+            with open(self.metrics_path, newline="") as f:
+                for row in csv.DictReader(f):
+                    # step and epoch were written as ints: read them back as ints, or the rewrite says "0.0".
+                    counts = ("step", "epoch", f"{self.prefix}-epoch")
+                    rows.append({k: int(float(v)) if k in counts else float(v) for k, v in row.items() if v != ""})
+        saved, step = state.get("rows", len(rows)), state.get("step", -1)
+        kept_after = [row for row in rows[saved:] if row.get("step", step + 1) <= step]
+        self.rows = rows[:saved] + kept_after
+        self._redoable = [row for row in kept_after if row.get("step") == step]
+        self._columns, self._written = [], 0  # forces a rewrite that drops the rows left out
+
+    def _drop_redone(self, row: dict[str, Any]) -> None:
+        if row["step"] > self._redoable[0]["step"]:
+            self._redoable = []  # the resumed fit has moved past its checkpoint's step
+            return
+        old = next((old for old in self._redoable if old.keys() == row.keys() and old["step"] == row["step"]), None)
+        if old is not None:
+            self._redoable.remove(old)
+            self.rows = [kept for kept in self.rows if kept is not old]
+            self._columns, self._written = [], 0
+
+
+class TensorBoardLogger(Logger):
+    """Event files for TensorBoard, through torch's SummaryWriter (needs the tensorboard package)."""
+
+    def __init__(self, save_dir: str | Path = "runs", name: str = "default", version: int | None = None,
+                 prefix: str = "") -> None:
+        super().__init__(save_dir, name, version, prefix)
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as err:
+            raise MisconfigurationError("TensorBoardLogger needs tensorboard: pip install 'trainer[tensorboard]'.") from err
+        self._writer = None
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for key, value in self.prefixed(metrics).items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self.writer.add_text("hparams", hparams_yaml(params))
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_writer"] = None  # SummaryWriter holds a thread and a file: re-open in the worker
+        return state

@@ -1,0 +1,61 @@
+"""What the loops change while a stage runs: the Trainer shows it read-only through its properties."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+
+@dataclass
+class Progress:
+    """Where a fit stands; saved in every checkpoint so a resume continues at the same batch."""
+
+    epoch: int = 0
+    global_step: int = 0  # optimizer steps taken
+    # The loggers' step, as in Lightning: batches that stepped, once each however many optimizers a
+    # manual-optimization batch steps (two for a GAN), so that log_every_n_steps counts batches there too.
+    batches_stepped: int = 0
+    epoch_batches: int = 0  # batches consumed in the current epoch
+    epoch_done: bool = False  # the current epoch's batches are all consumed
+    # epoch_batches when this epoch's latest mid-epoch validation began: a checkpoint taken before a due
+    # validation (in on_train_batch_end) resumes by running it, one taken during it does not run it twice.
+    validated_batches: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.batches_stepped = int(state.get("batches_stepped", self.global_step))
+        self.epoch_batches, self.epoch_done = int(state["epoch_batches"]), bool(state["epoch_done"])
+        self.validated_batches = int(state.get("validated_batches", self.epoch_batches))
+        if self.epoch_done:  # the checkpoint was taken after the epoch's last batch: start the next one
+            self.new_epoch()
+
+    def new_epoch(self) -> None:
+        self.epoch, self.epoch_batches, self.epoch_done, self.validated_batches = self.epoch + 1, 0, False, 0
+
+
+@dataclass
+class LoopState:
+    """The loops' state of a Trainer's stages (Progress carries over from stage to stage, and into checkpoints)."""
+
+    progress: Progress = field(default_factory=Progress)
+    should_stop: bool = False  # set by callbacks (EarlyStopping, Timer): the fit ends at the next chance
+    sanity_checking: bool = False
+    train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
+    val_dataloaders: list[DataLoader] = field(default_factory=list)  # and the ones it validates on (none: off)
+    num_training_batches: int | float = 0
+    # During fit: builds the fit's loaders again (reload_dataloaders_every_n_epochs), and the epoch that the
+    # current ones were built in (current_epoch then).
+    build_fit_loaders: Callable[[], list[DataLoader]] | None = None
+    fit_loaders_epoch: int = 0
+    #: (share of the time, seconds a batch) the fit waited for training batches, measured on its first ones.
+    data_wait: tuple[float, float] | None = None
+    predict_dataloaders: list[DataLoader] = field(default_factory=list)  # during predict: this rank's loaders
+    #: During predict: the dataset indices of the current batch (None where the loader cannot tell them).
+    predict_batch_indices: list[int] | None = None
+    return_predictions: bool = True

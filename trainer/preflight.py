@@ -1,0 +1,245 @@
+"""What a Trainer builds from its options and for a stage, and checks of what a stage is given."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from torch.optim import Optimizer
+
+from callbacks.base import Callback
+from trainer.config import TrainerConfig, save_run_config
+from trainer.data import STAGE_LOADERS, DataModule, own_loader
+from trainer.errors import MisconfigurationError
+from trainer.logging import CSVLogger, Logger, TensorBoardLogger
+from trainer.module import TrainModule
+from trainer.optim import (
+    LRScaler,
+    SchedulerConfig,
+    check_closure_optimizer,
+    is_torch_scheduler,
+    parse_optimizers,
+)
+from trainer.runs import RUN_ID_FILE
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+
+def apply_fast_dev_run(config: TrainerConfig) -> TrainerConfig:
+    """`config` as fast_dev_run=n runs it: n batches of each stage, once, writing nothing."""
+    runs = int(config.fast_dev_run)
+    if not runs:
+        return config
+    return dataclasses.replace(
+        config, max_epochs=1, max_steps=-1, limit_train_batches=runs, limit_val_batches=runs,
+        limit_test_batches=runs, limit_predict_batches=runs, num_sanity_val_steps=0, val_check_interval=1.0,
+        enable_checkpointing=False, logger=False,
+    )
+
+def build_loggers(config: TrainerConfig, spec: Any) -> list[Logger]:
+    """The loggers the `logger` option names (True and 'csv': a CSVLogger), none under fast_dev_run."""
+    if config.fast_dev_run or spec is False or spec is None:
+        return []
+    items = spec if isinstance(spec, (list, tuple)) else [spec]
+    root, name = config.default_root_dir, config.name
+    loggers: list[Logger] = []
+    for item in items:
+        if isinstance(item, Logger):
+            loggers.append(item)
+        elif item is True or item == "csv":
+            loggers.append(CSVLogger(root, name))
+        elif item == "tensorboard":
+            loggers.append(TensorBoardLogger(root, name))
+    return loggers  # anything else was refused by config.validate
+
+def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> list[Callback]:
+    """`callbacks` and those the options add (progress bar, summary, checkpointing, a Timer for max_time)."""
+    from callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
+
+    kinds = {type(c) for c in callbacks}
+    # fast_dev_run turns checkpointing off itself; the checkpoint callbacks a user gives then save nothing.
+    for option, kind in (("enable_progress_bar", RichProgressBar), ("enable_checkpointing", ModelCheckpoint)):
+        given = [k.__name__ for k in kinds if issubclass(k, kind)]
+        if given and not getattr(config, option) and not (option == "enable_checkpointing" and config.fast_dev_run):
+            raise MisconfigurationError(f"{option}=False, but callbacks has a {given[0]}; drop one of the two.")
+    if config.enable_progress_bar and not any(issubclass(k, RichProgressBar) for k in kinds):
+        callbacks.append(RichProgressBar())
+    if config.enable_model_summary and not any(issubclass(k, ModelSummary) for k in kinds):
+        callbacks.append(ModelSummary())
+    if config.enable_checkpointing and not any(issubclass(k, ModelCheckpoint) for k in kinds):
+        callbacks.append(ModelCheckpoint(save_last=True))
+    if config.max_time is not None:
+        if any(issubclass(k, Timer) for k in kinds):  # Lightning ignores max_time then, with a warning
+            raise MisconfigurationError("max_time and a Timer callback both time the run; give the budget to one of "
+                                        "them (Timer(duration=...) or max_time).")
+        callbacks.append(Timer(duration=config.max_time))
+    _check_state_keys(callbacks)
+    return _checkpointing_last(callbacks)
+
+
+def module_callbacks(trainer: Trainer, module: TrainModule) -> list[Callback]:
+    """Lightning's configure_callbacks: the Trainer's callbacks with the module's, which replace those of their
+    types or base types."""
+    given = callback_list(module.configure_callbacks(), f"{type(module).__name__}.configure_callbacks must return")
+    kept = [callback for callback in trainer.callbacks if not any(isinstance(mine, type(callback)) for mine in given)]
+    _check_state_keys(kept + given)
+    trainer.strategy.check_config(trainer.config, kept + given)
+    return _checkpointing_last(kept + given)
+
+
+def check_inputs(trainer: Trainer, module: Any, datamodule: Any, stage: str, loaders: Any) -> None:
+    """Clear errors for what a stage cannot run with, before anything starts."""
+    if not isinstance(module, TrainModule):
+        got = "no module" if module is None else type(module).__name__
+        raise MisconfigurationError(f"Trainer.{stage} needs a TrainModule; got {got}.")
+    trainer.strategy.check_module(module, stage)
+    _check_no_uncalled_lightning_hooks(module)
+    if stage == "fit" and type(module).configure_optimizers is TrainModule.configure_optimizers:
+        module.configure_optimizers()  # raises the explanatory error
+    if stage == "fit" and not module.automatic_optimization:
+        _check_manual_optimization(trainer.config, type(module).__name__)
+    if datamodule is not None and loaders is not None:
+        raise MisconfigurationError(f"Trainer.{stage}: pass either dataloaders or a datamodule, not both.")
+    if datamodule is None and loaders is None and own_loader(module, STAGE_LOADERS[stage]) is None:
+        raise MisconfigurationError(
+            f"Trainer.{stage} needs dataloaders, a datamodule, or a {type(module).__name__}.{STAGE_LOADERS[stage]}().")
+    if datamodule is not None and not isinstance(datamodule, DataModule):
+        raise MisconfigurationError(f"datamodule must be a DataModule; got {type(datamodule).__name__}.")
+
+def _check_manual_optimization(config: TrainerConfig, name: str) -> None:
+    """Options the loop applies around optimizer steps mean nothing when the module takes the steps itself."""
+    fixes = []
+    if config.gradient_clip_val:
+        fixes.append(f"gradient_clip_val={config.gradient_clip_val} (clip in training_step before opt.step(), "
+                     "e.g. torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))")
+    if config.accumulate_grad_batches != 1:
+        fixes.append(f"accumulate_grad_batches={config.accumulate_grad_batches} (step every n batches in training_step)")
+    if config.lr_warmup_steps:
+        fixes.append(f"lr_warmup_steps={config.lr_warmup_steps} (set the optimizer's lr in training_step)")
+    if fixes:
+        raise MisconfigurationError(
+            f"{name} sets automatic_optimization=False, so the Trainer takes no optimizer steps and these options "
+            f"would do nothing: {'; '.join(fixes)}. Remove them."
+        )
+
+
+def logged_hparams(module: TrainModule, datamodule: DataModule | None) -> dict[str, Any]:
+    """The module's hparams and the datamodule's, as in Lightning; a key both hold with different values is refused."""
+    hparams, data = dict(module.hparams), dict(datamodule.hparams) if datamodule is not None else {}
+    clashing = sorted(key for key in hparams.keys() & data.keys() if not _equal(hparams[key], data[key]))
+    if clashing:
+        raise MisconfigurationError(
+            f"the hparams {clashing} are saved by both {type(module).__name__} and "
+            f"{type(datamodule).__name__} with different values; the logged hparams are both's, so rename one."
+        )
+    return {**hparams, **data}
+
+
+#: LightningModule hooks this Trainer does not call, with what to do instead: overridden, they would do nothing.
+_UNCALLED_LIGHTNING_HOOKS = {
+    "configure_sharded_model": "rename it configure_model (its Lightning 2 name), which runs after setup(stage)",
+}
+
+
+def _check_no_uncalled_lightning_hooks(module: TrainModule) -> None:
+    overridden = [name for name in _UNCALLED_LIGHTNING_HOOKS if callable(getattr(type(module), name, None))]
+    if overridden:
+        advice = "; ".join(f"{name}: {_UNCALLED_LIGHTNING_HOOKS[name]}" for name in overridden)
+        raise MisconfigurationError(
+            f"{type(module).__name__} defines {', '.join(overridden)}, Lightning hook(s) this Trainer does not call, so "
+            f"they would silently do nothing. Instead: {advice}.")
+
+
+def one_module(model: TrainModule | None, module: TrainModule | None) -> TrainModule | None:
+    if model is not None and module is not None and model is not module:
+        raise MisconfigurationError("pass the module once: as model (Lightning's name) or as module.")
+    return model if model is not None else module
+
+
+def datamodule_given_as_loaders(loaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
+    """Lightning takes a DataModule in the dataloaders' place (`trainer.fit(model, dm)`): (loaders, datamodule)."""
+    if not isinstance(loaders, DataModule):
+        return loaders, datamodule
+    if datamodule is not None:
+        raise MisconfigurationError("a DataModule was given as the dataloaders and another as datamodule; pass one.")
+    return None, loaders
+
+
+def _check_state_keys(callbacks: list[Callback]) -> None:
+    """Callbacks with state need distinct state_keys: under one key, a checkpoint keeps one of their states,
+    and a resume gives it to both (two ModelCheckpoints would then evict each other's files)."""
+    seen: dict[str, Callback] = {}
+    for callback in callbacks:
+        if not callback.has_state:
+            continue  # nothing saved, nothing to mix up
+        other = seen.setdefault(callback.state_key, callback)
+        if other is not callback:
+            raise MisconfigurationError(
+                f"two {type(callback).__name__} callbacks have the same state_key {callback.state_key!r}, so a "
+                "checkpoint could keep only one of their states; give them different settings (for ModelCheckpoint: "
+                "monitor, mode or filename), or override state_key."
+            )
+
+
+def callback_list(value: Any, must: str) -> list[Callback]:
+    """`value` as a list of callbacks (one alone is accepted, as Lightning accepts it); `must` starts the error for
+    anything else in it, e.g. "callbacks must be"."""
+    callbacks = [value] if isinstance(value, Callback) else list(value or [])
+    for callback in callbacks:
+        if not isinstance(callback, Callback):
+            raise MisconfigurationError(f"{must} Callback instances; got {type(callback).__name__}.")
+    return callbacks
+
+
+def _checkpointing_last(callbacks: list[Callback]) -> list[Callback]:
+    """Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters)."""
+    from callbacks import ModelCheckpoint
+
+    return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors of several elements, arrays
+        return False
+
+
+def build_optimizers(trainer: Trainer, module: TrainModule) -> tuple[list[Optimizer], list[SchedulerConfig], LRScaler]:
+    """configure_optimizers' optimizers (set up by the strategy), schedulers, and the lr_scaling applied to them."""
+    config, strategy = trainer.config, trainer.strategy
+    optimizers, schedulers = parse_optimizers(module.configure_optimizers())
+    foreign = [type(c.scheduler).__name__ for c in schedulers if not is_torch_scheduler(c.scheduler)]
+    if foreign and type(module).lr_scheduler_step is TrainModule.lr_scheduler_step:
+        raise MisconfigurationError(
+            f"the scheduler {foreign[0]} is not one of torch's, whose step() the Trainer knows how to call; define "
+            f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it, as in Lightning.")
+    if module.automatic_optimization:
+        check_closure_optimizer(optimizers, config.accumulate_grad_batches, config.precision)
+    optimizers = strategy.setup_optimizers(optimizers)
+    workers = strategy.data_parallel_size * config.accumulate_grad_batches
+    lr_scaler = LRScaler(config.lr_scaling, workers, config.lr_warmup_steps)
+    lr_scaler.apply(optimizers, schedulers)
+    if lr_scaler.factor != 1.0 and trainer.is_global_zero:
+        rates = ", ".join(f"{group['lr']:.4g}" for opt in optimizers for group in opt.param_groups)
+        warmup = f", reached by linear warm-up over {config.lr_warmup_steps} steps" if config.lr_warmup_steps else ""
+        print(f"lr_scaling={config.lr_scaling}: learning rates x{lr_scaler.factor:g} (data-parallel size "
+              f"{strategy.data_parallel_size} x accumulate_grad_batches {config.accumulate_grad_batches})"
+              f" -> {rates}{warmup}")
+    return optimizers, schedulers, lr_scaler
+
+
+def write_run_files(trainer: Trainer) -> None:
+    """hparams.yaml (through the loggers) and the recipe's config.yaml in the run folder. Written once the
+    stage's checkpoint, if any, has been restored: a refused one leaves a resumed run's files as they were."""
+    if trainer.is_global_zero and trainer.module is not None and trainer.loggers:
+        hparams = logged_hparams(trainer.module, trainer.datamodule)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(hparams)
+    if trainer.is_global_zero and trainer.run_config is not None and not trainer.config.fast_dev_run:
+        save_run_config(trainer.log_dir / "config.yaml", trainer.run_config)
+    run_id = trainer.strategy.environment.run_id
+    if trainer.is_global_zero and run_id is not None and trainer.stage == "fit":  # found again by a restart
+        trainer.log_dir.mkdir(parents=True, exist_ok=True)
+        (trainer.log_dir / RUN_ID_FILE).write_text(run_id)
