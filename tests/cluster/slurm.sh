@@ -77,9 +77,9 @@ start_munge() {
     chown munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge /etc/munge/munge.key 2>/dev/null || true
     # As the munge user, as Debian's service runs it (munged refuses a key owned by another user).
     if id munge >/dev/null 2>&1; then
-        runuser -u munge -- munged >"$STATE/munged.out" 2>&1 || fail "munged did not start: $(tail -1 "$STATE/munged.out")"
+        runuser -u munge -- munged >"$STATE/munged.out" 2>&1 9>&- || fail "munged did not start: $(tail -1 "$STATE/munged.out")"
     else
-        munged --force >"$STATE/munged.out" 2>&1 || fail "munged did not start: $(tail -1 "$STATE/munged.out")"
+        munged --force >"$STATE/munged.out" 2>&1 9>&- || fail "munged did not start: $(tail -1 "$STATE/munged.out")"
     fi
     touch "$STATE/munged.started"
     for _ in $(seq 50); do munge_works && return 0; sleep 0.1; done
@@ -102,8 +102,9 @@ start() {
     write_conf
     start_munge
     # -c: a clean controller state, so no job of an earlier session is pending or requeued.
-    slurmctld -c >"$STATE/slurmctld.out" 2>&1 || fail "slurmctld did not start: $(tail -1 "$STATE/slurmctld.out")"
-    slurmd -N "$NODE" >"$STATE/slurmd.out" 2>&1 || fail "slurmd did not start: $(tail -1 "$STATE/slurmd.out")"
+    # 9>&-: a daemon that kept the lock's descriptor would hold the lock for its whole life.
+    slurmctld -c >"$STATE/slurmctld.out" 2>&1 9>&- || fail "slurmctld did not start: $(tail -1 "$STATE/slurmctld.out")"
+    slurmd -N "$NODE" >"$STATE/slurmd.out" 2>&1 9>&- || fail "slurmd did not start: $(tail -1 "$STATE/slurmd.out")"
     for _ in $(seq 150); do
         [ "$(node_state)" = idle ] && { echo "SLURM_CONF=$SLURM_CONF"; echo started; return 0; }
         sleep 0.2
