@@ -19,8 +19,9 @@ from trainer.strategies.ddp import DDPStrategy
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "2"}
-def srun_task(proc_id: int, *, tasks_per_node: list[int], step_nodelist: str, compressed_counts: str, job_id: int = 123456,
-              job_nodelist: str | None = None, job_name: str = "train", step_id: int = 0, **extra: str) -> dict[str, str]:
+def srun_task(proc_id: int, *, tasks_per_node: list[int], step_nodelist: str, compressed_counts: str,
+              job_id: int = 123456, job_nodelist: str | None = None, job_name: str = "train", step_id: int = 0,
+              **extra: str) -> dict[str, str]:
     """The SLURM variables srun gives task `proc_id` of a block-distributed step, as on the real SLURM 22.05 of
     tests/cluster (a capture is REAL_SRUN_N2 below); multi-node values follow srun(1)'s OUTPUT ENVIRONMENT VARIABLES.
     Counts and node lists are given literally, compressed as SLURM writes them, not computed by the code under test."""
@@ -48,7 +49,8 @@ def srun_task(proc_id: int, *, tasks_per_node: list[int], step_nodelist: str, co
 
 
 # `srun -N 2 -n 8 --ntasks-per-node=4` on gpu07 and gpu09, task 5 (the second node's second task).
-SLURM = srun_task(5, tasks_per_node=[4, 4], step_nodelist="gpu[07,09]", compressed_counts="4(x2)", SLURM_NTASKS_PER_NODE="4")
+SLURM = srun_task(5, tasks_per_node=[4, 4], step_nodelist="gpu[07,09]", compressed_counts="4(x2)",
+                  SLURM_NTASKS_PER_NODE="4")
 # What real srun set in `srun -n 2 env` on tests/cluster's one-node SLURM (22.05.8, node 'vm'), task 1.
 REAL_SRUN_N2 = {
     "SLURMD_NODENAME": "vm", "SLURM_CLUSTER_NAME": "trainer-test", "SLURM_CONF": "/tmp/trainer-slurm/slurm.conf",
@@ -59,19 +61,24 @@ REAL_SRUN_N2 = {
     "SLURM_NODELIST": "vm", "SLURM_NPROCS": "2", "SLURM_NTASKS": "2", "SLURM_PRIO_PROCESS": "0", "SLURM_PROCID": "1",
     "SLURM_SRUN_COMM_HOST": "127.0.0.1", "SLURM_SRUN_COMM_PORT": "41231", "SLURM_STEPID": "0", "SLURM_STEP_ID": "0",
     "SLURM_STEP_LAUNCHER_PORT": "41231", "SLURM_STEP_NODELIST": "vm", "SLURM_STEP_NUM_NODES": "1",
-    "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_SUBMIT_DIR": "/tmp", "SLURM_SUBMIT_HOST": "vm",
+    "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_SUBMIT_DIR": "/tmp",
+    "SLURM_SUBMIT_HOST": "vm",
     "SLURM_TASKS_PER_NODE": "2", "SLURM_TASK_PID": "12265", "SLURM_TOPOLOGY_ADDR": "vm",
     "SLURM_TOPOLOGY_ADDR_PATTERN": "node", "SLURM_UMASK": "0022",
     "SLURM_WORKING_CLUSTER": "trainer-test:127.0.0.1:16817:9728:109",
 }
 # The shell of `sbatch -n 2` (the batch script, before any srun) and of `salloc -n 2`, captured there too.
-REAL_SBATCH_SHELL = {key: value for key, value in REAL_SRUN_N2.items() if not key.startswith(("SLURM_STEP", "SLURM_SRUN",
-                     "SLURM_LAUNCH"))} | {"SLURM_JOB_NAME": "capture.sbatch", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                                          "SLURM_GTIDS": "0", "SLURM_NODE_ALIASES": "(null)"}
+REAL_SBATCH_SHELL = {
+    **{key: value for key, value in REAL_SRUN_N2.items()
+       if not key.startswith(("SLURM_STEP", "SLURM_SRUN", "SLURM_LAUNCH"))},
+    "SLURM_JOB_NAME": "capture.sbatch", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_GTIDS": "0",
+    "SLURM_NODE_ALIASES": "(null)",
+}
 REAL_SALLOC_SHELL = {
     "SLURM_CLUSTER_NAME": "trainer-test", "SLURM_JOBID": "3", "SLURM_JOB_CPUS_PER_NODE": "2", "SLURM_JOB_ID": "3",
-    "SLURM_JOB_NAME": "interactive", "SLURM_JOB_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_PARTITION": "debug",
-    "SLURM_NNODES": "1", "SLURM_NODELIST": "vm", "SLURM_NODE_ALIASES": "(null)", "SLURM_NPROCS": "2", "SLURM_NTASKS": "2",
+    "SLURM_JOB_NAME": "interactive", "SLURM_JOB_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_JOB_PARTITION": "debug", "SLURM_NNODES": "1", "SLURM_NODELIST": "vm", "SLURM_NODE_ALIASES": "(null)",
+    "SLURM_NPROCS": "2", "SLURM_NTASKS": "2",
     "SLURM_SUBMIT_DIR": "/tmp", "SLURM_SUBMIT_HOST": "vm", "SLURM_TASKS_PER_NODE": "2",
 }
 
@@ -121,9 +128,11 @@ def test_interactive_or_single_task_slurm_is_not_a_launch():
     assert detect_environment(REAL_SALLOC_SHELL).name == "local"
     assert detect_environment(REAL_SBATCH_SHELL).name == "local"
     # `srun -n 1 python train.py`: one task; the Trainer starts the processes itself.
-    assert detect_environment(srun_task(0, tasks_per_node=[1], step_nodelist="vm", compressed_counts="1")).name == "local"
+    one_task = srun_task(0, tasks_per_node=[1], step_nodelist="vm", compressed_counts="1")
+    assert detect_environment(one_task).name == "local"
     # salloc's interactive step (LaunchParameters=use_interactive_step), SLURM's step id 0xFFFFFFFA.
-    assert detect_environment({**SLURM, "SLURM_STEP_ID": str(0xFFFFFFFA), "SLURM_STEPID": str(0xFFFFFFFA)}).name == "local"
+    interactive_step = {**SLURM, "SLURM_STEP_ID": str(0xFFFFFFFA), "SLURM_STEPID": str(0xFFFFFFFA)}
+    assert detect_environment(interactive_step).name == "local"
 
 
 def test_a_job_named_bash_launched_by_srun_is_a_launch():

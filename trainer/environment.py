@@ -3,8 +3,9 @@
 The environment is read once, here, and passed down; nothing else in the framework reads these variables.
 Detection order: torchrun (and the Trainer's own launcher, which is torchrun's agent), SLURM, MPI, local.
 A launcher that started a single process (`srun -n 1`, `mpirun -np 1`) has not started the job's processes,
-nor has an `sbatch` script's or an `salloc` shell, whatever task count they set: the Trainer may start them itself. To force one answer, give the strategy
-an environment: `DDPStrategy(environment="slurm")` or `DDPStrategy(environment=ClusterEnvironment(...))`.
+nor has an `sbatch` script's or an `salloc` shell, whatever task count they set: the Trainer may start them
+itself. To force one answer, give the strategy an environment: `DDPStrategy(environment="slurm")` or
+`DDPStrategy(environment=ClusterEnvironment(...))`.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def expand_hostlist(hostlist: str) -> list[str]:
     for part in _split_top_level(hostlist.strip()):
         pieces = re.split(r"\[([^\[\]]*)\]", part.strip())  # text, ranges, text, ranges, ..., text
         if not part.strip() or any(c in piece for piece in pieces[::2] for c in "[]"):
-            raise MisconfigurationError(f"cannot read the SLURM host list {hostlist!r}; set MASTER_ADDR to the first node.")
+            raise MisconfigurationError(
+                f"cannot read the SLURM host list {hostlist!r}; set MASTER_ADDR to the first node.")
         names = [pieces[0]]
         for ranges, text in zip(pieces[1::2], pieces[2::2]):
             names = [name + value + text for name in names for value in _bracket_values(ranges, hostlist)]
@@ -125,7 +127,8 @@ def first_slurm_host(nodelist: str) -> str:
     try:
         return expand_hostlist(_split_top_level(nodelist.strip())[0])[0]
     except MisconfigurationError:
-        raise MisconfigurationError(f"cannot read SLURM_NODELIST={nodelist!r}; set MASTER_ADDR to the first node.") from None
+        raise MisconfigurationError(
+            f"cannot read SLURM_NODELIST={nodelist!r}; set MASTER_ADDR to the first node.") from None
 
 
 def expand_tasks_per_node(counts: str) -> list[int]:
@@ -172,7 +175,8 @@ def _slurm_tasks_on_node(env: Mapping[str, str], node_rank: int) -> int:
             counts = expand_tasks_per_node(env[key])
             if key == "SLURM_NTASKS_PER_NODE" or node_rank < len(counts):
                 return counts[min(node_rank, len(counts) - 1)]
-            raise MisconfigurationError(f"{key}={env[key]!r} counts {len(counts)} nodes, but SLURM_NODEID is {node_rank}.")
+            raise MisconfigurationError(
+                f"{key}={env[key]!r} counts {len(counts)} nodes, but SLURM_NODEID is {node_rank}.")
     return 1
 
 

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recipe files and dotted.key=value overrides, or a Python script and its arguments")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node; one task each")
-    parser.add_argument("--devices-per-node", type=int, help="tasks (devices) per node; default: --gpus-per-node, else 1")
+    parser.add_argument("--devices-per-node", type=int,
+                        help="tasks (devices) per node; default: --gpus-per-node, else 1")
     parser.add_argument("--partition", help="sbatch --partition")
     parser.add_argument("--time", help="sbatch --time (the limit; SIGTERM comes 2 minutes before it)")
     parser.add_argument("--account", help="sbatch --account")

@@ -60,7 +60,8 @@ def test_resume_continues_an_earlier_jobs_run_folder(capsys, tmp_path):
 def test_a_python_script_runs_under_srun_with_its_arguments(capsys, tmp_path):
     (tmp_path / "train.py").write_text("print('hi')\n")
     # submit's options first; the script's own follow `--`.
-    _, script, _ = submit(capsys, "--nodes", "2", "--devices-per-node", "3", "--dry-run", "train.py", "--", "--lr", "0.1")
+    _, script, _ = submit(capsys, "--nodes", "2", "--devices-per-node", "3", "--dry-run",
+                          "train.py", "--", "--lr", "0.1")
     assert f"srun --kill-on-bad-exit=1 {sys.executable} {tmp_path / 'train.py'} --lr 0.1" in script
     assert "#SBATCH --job-name=train" in script and "#SBATCH --ntasks-per-node=3" in script
 
