@@ -4,6 +4,7 @@
     trainer config RECIPE [...] [dotted.key=value ...]      the resolved recipe as YAML
     trainer config --reference [--readme README.md]         every trainer option (and the README table)
     trainer plot RUN_DIR [RUN_DIR ...] -o curves.png
+    trainer submit RECIPE [...] --nodes N [--gpus-per-node G] [--dry-run]   a SLURM batch job (trainer/submit.py)
 
 A mistake in the command or the recipe prints one line on stderr and exits with status 2 before any
 process starts (`--verbose` adds the traceback).
@@ -26,6 +27,7 @@ import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
 from trainer.errors import CheckpointError, MisconfigurationError
+from trainer.submit import add_arguments as add_submit_arguments
 
 STAGES = ("fit", "validate", "test", "predict")
 USAGE_ERROR = 2
@@ -120,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="version folders holding metrics.csv")
     plot.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default: curves.png)")
     plot.set_defaults(handler=plot_runs)
+    add_submit_arguments(commands.add_parser("submit", parents=[verbose], help="run a recipe as a SLURM batch job"))
     return parser
 
 

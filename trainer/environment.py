@@ -2,9 +2,10 @@
 
 The environment is read once, here, and passed down; nothing else in the framework reads these variables.
 Detection order: torchrun (and the Trainer's own launcher, which is torchrun's agent), SLURM, MPI, local.
-A launcher that started a single process (an `sbatch` script without `srun`, `mpirun -np 1`) has not
-started the job's processes, so the Trainer may start them itself. To force one answer, give the strategy
-an environment: `DDPStrategy(environment="slurm")` or `DDPStrategy(environment=ClusterEnvironment(...))`.
+A launcher that started a single process (`srun -n 1`, `mpirun -np 1`) has not started the job's processes,
+nor has an `sbatch` script's or an `salloc` shell, whatever task count they set: the Trainer may start them
+itself. To force one answer, give the strategy an environment: `DDPStrategy(environment="slurm")` or
+`DDPStrategy(environment=ClusterEnvironment(...))`.
 """
 
 from __future__ import annotations
@@ -94,31 +95,97 @@ def _split_top_level(hostlist: str) -> list[str]:
     return [*parts, current]
 
 
+def _bracket_values(ranges: str, hostlist: str) -> list[str]:
+    """'07-09,12' -> ['07', '08', '09', '12']: a range keeps the zero padding of its lower bound."""
+    values = []
+    for item in ranges.split(","):
+        low, dash, high = item.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise MisconfigurationError(f"cannot read the SLURM host list {hostlist!r}: {item!r} is not a range.")
+        values += [str(n).zfill(len(low)) for n in range(int(low), int(high or low) + 1)]
+    return values
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Every host of a SLURM host list, in order: 'node[01-03,07],gpu-a[1-2]' -> node01 node02 node03 node07
+    gpu-a1 gpu-a2 (several brackets in one name, 'rack[1-2]-gpu[1-2]', vary the last one fastest)."""
+    hosts: list[str] = []
+    for part in _split_top_level(hostlist.strip()):
+        pieces = re.split(r"\[([^\[\]]*)\]", part.strip())  # text, ranges, text, ranges, ..., text
+        if not part.strip() or any(c in piece for piece in pieces[::2] for c in "[]"):
+            raise MisconfigurationError(
+                f"cannot read the SLURM host list {hostlist!r}; set MASTER_ADDR to the first node.")
+        names = [pieces[0]]
+        for ranges, text in zip(pieces[1::2], pieces[2::2]):
+            names = [name + value + text for name in names for value in _bracket_values(ranges, hostlist)]
+        hosts += names
+    return hosts
+
+
 def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM_NODELIST such as 'gpu[07-09,12],cpu3' -> 'gpu07'."""
-    first = _split_top_level(nodelist.strip())[0].strip()
-    if not first or first.count("[") != first.count("]"):
-        raise MisconfigurationError(f"cannot read SLURM_NODELIST={nodelist!r}; set MASTER_ADDR to the first node.")
-    # Each bracket holds ranges ('07-09,12'); the first host takes the first value of each.
-    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], first)
+    """The first host of a SLURM node list such as 'gpu[07-09,12],cpu3' -> 'gpu07'."""
+    try:
+        return expand_hostlist(_split_top_level(nodelist.strip())[0])[0]
+    except MisconfigurationError:
+        raise MisconfigurationError(
+            f"cannot read SLURM_NODELIST={nodelist!r}; set MASTER_ADDR to the first node.") from None
+
+
+def expand_tasks_per_node(counts: str) -> list[int]:
+    """SLURM's per-node task counts, '2(x3),1' -> [2, 2, 2, 1]."""
+    expanded = []
+    for item in counts.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            raise MisconfigurationError(f"cannot read the SLURM tasks per node {counts!r}: {item!r} is not N or N(xM).")
+        expanded += [int(match.group(1))] * int(match.group(2) or 1)
+    return expanded
+
+
+#: Step ids of the job's own steps that run no srun task: the batch script (an sbatch shell), the extern step
+#: and salloc's interactive step (which also runs one task). Anything above this is one of them.
+_LAST_TASK_STEP_ID = 0xFFFFFFF0
 
 
 def slurm_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
-    """srun: one task per process. An interactive allocation (`salloc` shell, job name 'bash') is not a launch."""
-    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+    """srun: one task per process. Only srun's tasks have a step id: the shell of an `sbatch` script or of an
+    `salloc` (SLURM variables, but started by no srun) has none, and starts the job's processes itself."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
+    if "SLURM_PROCID" not in env or not step.isdigit() or int(step) >= _LAST_TASK_STEP_ID:
         return None
-    if _int(env, "SLURM_NTASKS") == 1:
-        return None  # one task: the Trainer starts the job's processes itself
-    job_id = _int(env, "SLURM_JOB_ID", 0)
-    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    # The step's variables first: inside an allocation the job's may count more tasks or nodes than this step.
+    world = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS", 1))
+    if world == 1:
+        return None  # one task (`srun python train.py`): the Trainer starts the job's processes itself
+    node_rank = _int(env, "SLURM_NODEID", 0)
     return ClusterEnvironment(
         name="slurm", global_rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID", 0),
-        world_size=_int(env, "SLURM_NTASKS"), local_world_size=int(per_node) if per_node.isdigit() else 1,
-        node_rank=_int(env, "SLURM_NODEID", 0),
-        master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1")),
+        world_size=world, local_world_size=_slurm_tasks_on_node(env, node_rank), node_rank=node_rank,
+        master_addr=env.get("MASTER_ADDR") or _slurm_master(env),
         # One port per job, so two jobs sharing a node do not collide.
-        master_port=_int(env, "MASTER_PORT", 15000 + job_id % 20000),
+        master_port=_int(env, "MASTER_PORT", 15000 + _int(env, "SLURM_JOB_ID", 0) % 20000),
     )
+
+
+def _slurm_tasks_on_node(env: Mapping[str, str], node_rank: int) -> int:
+    """This node's task count: srun sets the per-node counts for every launch; SLURM_NTASKS_PER_NODE is only
+    there when --ntasks-per-node was given."""
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        if env.get(key):
+            counts = expand_tasks_per_node(env[key])
+            if key == "SLURM_NTASKS_PER_NODE" or node_rank < len(counts):
+                return counts[min(node_rank, len(counts) - 1)]
+            raise MisconfigurationError(
+                f"{key}={env[key]!r} counts {len(counts)} nodes, but SLURM_NODEID is {node_rank}.")
+    return 1
+
+
+def _slurm_master(env: Mapping[str, str]) -> str:
+    """The step's first node, where task 0 runs; the job's node list when the step's is not set."""
+    for key in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if env.get(key):
+            return first_slurm_host(env[key])
+    raise MisconfigurationError("srun set no node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST); set MASTER_ADDR.")
 
 
 def mpi_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:

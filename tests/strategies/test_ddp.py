@@ -529,7 +529,8 @@ def test_each_process_pins_its_local_rank_or_the_one_gpu_its_launcher_left_visib
 
 
 SLURM_RANK0 = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
-               "SLURM_NODELIST": "localhost", "SLURM_JOB_NAME": "train", "MASTER_ADDR": "127.0.0.1"}
+               "SLURM_NODELIST": "localhost", "SLURM_JOB_NAME": "train", "MASTER_ADDR": "127.0.0.1",
+               "SLURM_STEP_ID": "0"}  # srun's tasks carry a step id (an sbatch or salloc shell has none)
 
 
 def set_env(monkeypatch, env: dict[str, str]) -> None:

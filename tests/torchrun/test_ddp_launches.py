@@ -79,8 +79,10 @@ def test_two_torchrun_agents_as_two_nodes_train_one_model(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_srun_variables_launch_two_ranks_that_build_their_own_rendezvous(tmp_path):
-    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
-             "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "MASTER_PORT": str(find_free_port())}
+    # What `srun -n 2` sets on one node (step 0 of job 4242; tests/test_environment.py has a real capture).
+    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0",
+             "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost",
+             "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "MASTER_PORT": str(find_free_port())}
     command = [sys.executable, str(SCRIPT), "train", str(tmp_path)]
     results = launch([(command, {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)], tmp_path)
     assert [code for code, _, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
