@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.errors import MisconfigurationError
+
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a run that saved on SIGTERM exits with (trainer.faults; no torch here)
 
 #: Seconds before the time limit at which SLURM sends SIGTERM: time to finish a step and write a checkpoint
@@ -141,7 +142,10 @@ def _script_of(sources: list[str]) -> str | None:
 
 def _recipe_name_and_root(sources: list[str]) -> tuple[str, Path]:
     """The recipe's trainer.name and default_root_dir (absolute); the whole recipe is checked on the way."""
-    from trainer.recipe import is_override, load_recipe  # imports torch: here, so that `trainer --help` stays fast
+    from trainer.recipe import (  # imports torch: here, so that `trainer --help` stays fast
+        is_override,
+        load_recipe,
+    )
 
     missing = [source for source in sources if not is_override(source) and not Path(source).is_file()]
     if missing:
