@@ -26,10 +26,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from callbacks import Callback
-from trainer import Trainer, TrainModule
-from trainer.environment import find_free_port
+from torchyard.callbacks import Callback
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.environment import find_free_port
 
 WARMUP = 5
 

@@ -82,8 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from trainer import Trainer, TrainModule
+from torchyard.trainer import Trainer, TrainModule
 
 FEATURES, HIDDEN, CLASSES, BATCH = 128, 256, 10, 64
 LOG_EVERY = 50

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from overhead import BATCH, MLP, synthetic_data
 from torch.utils.data import DataLoader, TensorDataset
-
-from callbacks import Callback
-from trainer import Trainer
+from torchyard.callbacks import Callback
+from torchyard.trainer import Trainer
 
 
 def hand_written(data: TensorDataset, steps: int) -> float:

@@ -72,7 +72,7 @@ def unit_groups(num_units: int, chunks: int) -> list[range]:
 
 
 def build_model(args: argparse.Namespace) -> Any:
-    from trainer import TrainModule
+    from torchyard.trainer import TrainModule
 
     class StackNet(TrainModule):
         def __init__(self) -> None:
@@ -135,9 +135,9 @@ def hand_run(args: argparse.Namespace, schedule: str) -> list[tuple[float, float
 
 def trainer_run(args: argparse.Namespace, schedule: str) -> list[tuple[float, float]]:
     """The Trainer with strategy=PipelineStrategy cut at the same places; step-end timestamps."""
-    from callbacks import Callback
-    from trainer import Trainer
-    from trainer.strategies.pipeline import PipelineStrategy
+    from torchyard.callbacks import Callback
+    from torchyard.trainer import Trainer
+    from torchyard.trainer.strategies.pipeline import PipelineStrategy
 
     class Stamp(Callback):
         def __init__(self) -> None:
@@ -236,8 +236,8 @@ def report(args: argparse.Namespace, rows: list[tuple[str, float, float, float, 
 
 
 def main() -> None:
-    from trainer.environment import find_free_port
-    from trainer.strategies.pipeline_split import available_schedules
+    from torchyard.trainer.environment import find_free_port
+    from torchyard.trainer.strategies.pipeline_split import available_schedules
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)

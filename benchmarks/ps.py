@@ -24,9 +24,9 @@ import tempfile
 import time
 from typing import Any
 
-from callbacks import Callback
-from recipes.digits import DigitsCNN, DigitsData
-from trainer import Trainer
+from torchyard.callbacks import Callback
+from torchyard.recipes.digits import DigitsCNN, DigitsData
+from torchyard.trainer import Trainer
 
 BATCH = 64
 SLOW_RANK = 1  # the data-parallel rank that sleeps: ddp's rank 1, ps's worker 1 (the chief, worker 0, is fast)

@@ -1,12 +1,12 @@
 """The Callback base class and the built-in callbacks."""
 
-from callbacks.base import Callback
-from callbacks.checkpoint import ModelCheckpoint
-from callbacks.early_stopping import EarlyStopping
-from callbacks.lr_monitor import LearningRateMonitor
-from callbacks.prediction_writer import BasePredictionWriter
-from callbacks.progress import RichProgressBar
-from callbacks.summary import ModelSummary
-from callbacks.timer import Timer
+from torchyard.callbacks.base import Callback
+from torchyard.callbacks.checkpoint import ModelCheckpoint
+from torchyard.callbacks.early_stopping import EarlyStopping
+from torchyard.callbacks.lr_monitor import LearningRateMonitor
+from torchyard.callbacks.prediction_writer import BasePredictionWriter
+from torchyard.callbacks.progress import RichProgressBar
+from torchyard.callbacks.summary import ModelSummary
+from torchyard.callbacks.timer import Timer
 
 __all__ = ["BasePredictionWriter", "Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary", "RichProgressBar", "Timer"]

@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from callbacks.base import Callback
-from trainer.config import parse_duration
-from trainer.errors import MisconfigurationError
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.config import parse_duration
+from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
-    from trainer.trainer import Trainer
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.trainer import Trainer
 
 # `{name}` or `{name:format_spec}`; names may hold '/' and '.' (logged metric names), unlike str.format fields.
 _PLACEHOLDER = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")

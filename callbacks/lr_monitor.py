@@ -5,15 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from callbacks.base import Callback
-from trainer.errors import MisconfigurationError
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
-
-    from trainer.module import TrainModule
-    from trainer.optim import SchedulerConfig
-    from trainer.trainer import Trainer
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.optim import SchedulerConfig
+    from torchyard.trainer.trainer import Trainer
 
 
 class LearningRateMonitor(Callback):

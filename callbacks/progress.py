@@ -20,13 +20,12 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.text import Text
-
-from callbacks.base import Callback
-from trainer.errors import MisconfigurationError
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
-    from trainer.trainer import Trainer
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.trainer import Trainer
 
 
 class _SpeedColumn(ProgressColumn):

@@ -11,14 +11,13 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
-
-from callbacks.base import Callback
-from trainer.data import samples_in_batches
-from trainer.errors import MisconfigurationError
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.data import samples_in_batches
+from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
-    from trainer.trainer import Trainer
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.trainer import Trainer
 
 
 @dataclass

@@ -6,13 +6,13 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from callbacks.base import Callback
-from trainer.config import parse_duration
-from trainer.errors import MisconfigurationError
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.config import parse_duration
+from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
-    from trainer.trainer import Trainer
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.trainer import Trainer
 
 STAGES = ("train", "validate", "test")
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.errors import MisconfigurationError
 
 
 def check_loader_args(owner: str, batch_size: int, num_workers: int) -> None:

@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-from recipes import check_loader_args, check_optimizer_args
-from trainer import DataModule, TrainModule
-from trainer.errors import MisconfigurationError
+from torchyard.recipes import check_loader_args, check_optimizer_args
+from torchyard.trainer import DataModule, TrainModule
+from torchyard.trainer.errors import MisconfigurationError
 
 CORPUS_FILES = (
     "argparse.py", "calendar.py", "contextlib.py", "dataclasses.py", "difflib.py", "functools.py",

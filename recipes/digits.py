@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
-
-from recipes import check_loader_args, check_optimizer_args
-from trainer import DataModule, TrainModule
-from trainer.errors import MisconfigurationError
+from torchyard.recipes import check_loader_args, check_optimizer_args
+from torchyard.trainer import DataModule, TrainModule
+from torchyard.trainer.errors import MisconfigurationError
 
 
 class DigitsCNN(TrainModule):
@@ -89,7 +88,7 @@ class DigitsData(DataModule):
             from sklearn.datasets import load_digits  # scikit-learn ships the images: nothing to download
         except ImportError:
             raise MisconfigurationError(
-                "the digits recipes need scikit-learn, which ships their images: pip install 'trainer[recipes]'.") from None
+                "the digits recipes need scikit-learn, which ships their images: pip install 'torchyard[recipes]'.") from None
 
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16

@@ -13,14 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torchyard.callbacks.checkpoint as checkpoint_module
+import torchyard.callbacks.progress as progress_module
 from rich.console import Console
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
-
-import callbacks.checkpoint as checkpoint_module
-import callbacks.progress as progress_module
-from callbacks import (
+from torchyard.callbacks import (
     BasePredictionWriter,
     Callback,
     EarlyStopping,
@@ -30,9 +29,9 @@ from callbacks import (
     RichProgressBar,
     Timer,
 )
-from trainer import Trainer, TrainModule
-from trainer.config import parse_duration
-from trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.config import parse_duration
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 
 BATCHES_PER_EPOCH = 4
 

@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from callbacks import Callback
-from trainer import Trainer, TrainModule
-from trainer.checkpoint import load_checkpoint_file
-from trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.callbacks import Callback
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
 
@@ -131,7 +130,7 @@ class ValidationPositions(Callback):
 
 @pytest.mark.filterwarnings("ignore:ModelCheckpoint. the checkpoint folder changed")
 def test_mid_epoch_validation_waits_for_the_accumulation_window_so_its_checkpoint_resumes_exactly(tmp_path):
-    from callbacks import ModelCheckpoint
+    from torchyard.callbacks import ModelCheckpoint
 
     options = dict(accumulate_grad_batches=2, val_check_interval=3, max_epochs=2, enable_checkpointing=True)
     positions = ValidationPositions()
@@ -145,7 +144,7 @@ def test_mid_epoch_validation_waits_for_the_accumulation_window_so_its_checkpoin
 
 
 def test_a_run_stopped_by_max_steps_and_resumed_with_more_matches_one_that_never_stopped(tmp_path):
-    from callbacks import ModelCheckpoint
+    from torchyard.callbacks import ModelCheckpoint
 
     full = fit(tmp_path / "full")
     # Step 7 is batch 2 of epoch 1, not a validation point: the stop validates there, drawing from the RNG.
@@ -227,8 +226,8 @@ class BatchCount(Callback):
 
 
 def test_last_is_the_furthest_trained_checkpoint_whatever_the_files_times(tmp_path):
-    from callbacks import ModelCheckpoint
-    from trainer.resume import ranked_checkpoints
+    from torchyard.callbacks import ModelCheckpoint
+    from torchyard.trainer.resume import ranked_checkpoints
 
     def run(max_epochs, ckpt_path=None):
         counted = BatchCount()
@@ -248,7 +247,7 @@ def test_last_is_the_furthest_trained_checkpoint_whatever_the_files_times(tmp_pa
 
 
 def test_last_means_last_ckpt_even_where_an_abandoned_branch_trained_further(tmp_path):
-    from callbacks import ModelCheckpoint
+    from torchyard.callbacks import ModelCheckpoint
 
     def run(max_epochs, ckpt_path=None):
         counted = BatchCount()
@@ -267,8 +266,8 @@ def test_last_means_last_ckpt_even_where_an_abandoned_branch_trained_further(tmp
 
 
 def test_a_stale_last_ckpt_gives_way_to_newer_files_trained_further(tmp_path):
-    from callbacks import ModelCheckpoint
-    from trainer.resume import ranked_checkpoints
+    from torchyard.callbacks import ModelCheckpoint
+    from torchyard.trainer.resume import ranked_checkpoints
 
     trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=2, logger=False, **{**QUIET, "enable_checkpointing": True},
                       callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
@@ -284,8 +283,8 @@ def test_a_stale_last_ckpt_gives_way_to_newer_files_trained_further(tmp_path):
 
 
 def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
-    from callbacks import ModelCheckpoint
-    from trainer.logging import CSVLogger
+    from torchyard.callbacks import ModelCheckpoint
+    from torchyard.trainer.logging import CSVLogger
 
     def run(max_epochs, ckpt_path=None, **where):
         counted = BatchCount()
@@ -499,7 +498,7 @@ def test_state_a_checkpoint_could_not_be_loaded_from_is_refused_when_saving(tmp_
                                                         rf"\['best'\] is a {kind}, which checkpoints cannot hold"):
             trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
         assert not list(tmp_path.rglob("*.ckpt"))
-    from trainer.checkpoint import unloadable
+    from torchyard.trainer.checkpoint import unloadable
 
     assert unloadable({"layout": torch.strided, "size": torch.Size([2]), "kind": torch.float16, "n": {1, 2}}) is None
     fine = BestSoFar(torch.tensor(0.5))

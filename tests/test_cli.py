@@ -10,34 +10,39 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from trainer.cli import main
-from trainer.config import option_names, parse_duration, readme_reference, reference_table, update_readme
-from trainer.errors import MisconfigurationError
-from trainer.recipe import init_parameters, load_recipe
+from torchyard.trainer.cli import main
+from torchyard.trainer.config import (
+    option_names,
+    parse_duration,
+    readme_reference,
+    reference_table,
+    update_readme,
+)
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.recipe import init_parameters, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO / "recipes" / "digits.yaml")
 
 GOOD = """
 trainer: {name: good, max_epochs: 1, limit_train_batches: 2}
-model: {class_path: recipes.digits.DigitsCNN, init_args: {lr: 0.01}}
-data: {class_path: recipes.digits.DigitsData}
+model: {class_path: torchyard.recipes.digits.DigitsCNN, init_args: {lr: 0.01}}
+data: {class_path: torchyard.recipes.digits.DigitsData}
 callbacks:
-  - {class_path: callbacks.ModelCheckpoint, init_args: {monitor: val/acc, mode: max}}
+  - {class_path: torchyard.callbacks.ModelCheckpoint, init_args: {monitor: val/acc, mode: max}}
 """
 
 # Modules the table's recipes name, written next to them (the CLI imports from the working directory).
 MODULES = {
     "needy_models.py": """
-from trainer import TrainModule
+from torchyard.trainer import TrainModule
 
 class Needy(TrainModule):
     def __init__(self, num_classes: int, lr: float = 0.1):
         super().__init__()
 """,
     "kw_models.py": """
-from trainer import TrainModule
+from torchyard.trainer import TrainModule
 
 class Base(TrainModule):
     def __init__(self, width: int = 8, lr: float = 0.1):
@@ -54,7 +59,7 @@ FILES = {
     "broken.yaml": "trainer:\n  max_epochs: [1, 2\nmodel: {}\n",
     "typo_top.yaml": GOOD + "trainr: {max_epochs: 1}\n",
     "typo_trainer.yaml": "trainer: {max_epoch: 3}\n",
-    "no_model.yaml": "data: {class_path: recipes.digits.DigitsData}\n",
+    "no_model.yaml": "data: {class_path: torchyard.recipes.digits.DigitsData}\n",
     "listed.yaml": "- trainer\n- model\n",
     "utf16.yaml": "",  # written as UTF-16 by the fixture
 }
@@ -79,11 +84,11 @@ BAD_INPUTS = [
     (["good.yaml", "trainer.max_epochs=-2"], "max_epochs=-2 must be an integer >= -1"),
     (["good.yaml", "trainer.precision=8"], "precision='8' is not known; use one of 32, bf16-mixed, 16-mixed"),
     (["good.yaml", "trainer.strategy=nosuch"], "strategy='nosuch' is not known"),
-    (["good.yaml", "model.class_path=recipes.digitz.DigitsCNN"], "no module named 'recipes.digitz'"),
-    (["good.yaml", "model.class_path=recipes.digits.DigitCNN"], "has no 'DigitCNN' (did you mean 'DigitsCNN'?)"),
+    (["good.yaml", "model.class_path=torchyard.recipes.digitz.DigitsCNN"], "no module named 'torchyard.recipes.digitz'"),
+    (["good.yaml", "model.class_path=torchyard.recipes.digits.DigitCNN"], "has no 'DigitCNN' (did you mean 'DigitsCNN'?)"),
     (["good.yaml", "model.class_path=torch.nn.Linear"], "is class torch.nn.modules.linear.Linear, not a TrainModule"),
-    (["good.yaml", "data.class_path=recipes.digits.DigitsCNN"], "not a DataModule subclass"),
-    (["good.yaml", "callbacks=[{class_path: recipes.digits.DigitsData}]"], "callbacks.0.class_path='recipes.digits.DigitsData' is class"),
+    (["good.yaml", "data.class_path=torchyard.recipes.digits.DigitsCNN"], "not a DataModule subclass"),
+    (["good.yaml", "callbacks=[{class_path: torchyard.recipes.digits.DigitsData}]"], "callbacks.0.class_path='torchyard.recipes.digits.DigitsData' is class"),
     (["good.yaml", "model.init_args.lrr=0.1"], "DigitsCNN does not take 'lrr' (did you mean 'lr'?)"),
     (["good.yaml", "model.init_args.channels=wide"], "model.init_args.channels='wide': DigitsCNN expects int, got str"),
     (["good.yaml", "callbacks.0.init_args.monitr=val/loss"], "does not take 'monitr' (did you mean 'monitor'?)"),
@@ -139,10 +144,10 @@ def test_a_duration_override_is_a_duration_not_a_yaml_base_60_number(recipes_her
 def test_a_duration_in_a_recipe_file_is_a_duration_not_a_yaml_base_60_number(recipes_here):
     (recipes_here / "timed.yaml").write_text(
         "trainer:\n  max_time: 1:12:00:00\ncallbacks:\n"
-        "  - class_path: callbacks.Timer\n    init_args: &timer {duration: 2:00:00:00, interval: step}\n"
-        "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, interval: epoch}\n"
-        "  - class_path: callbacks.Timer\n    init_args: {<<: *timer, duration: 3:00:00:00}\n")
-    with pytest.warns(UserWarning, match="replaces the one before it, which drops callbacks.ModelCheckpoint"):
+        "  - class_path: torchyard.callbacks.Timer\n    init_args: &timer {duration: 2:00:00:00, interval: step}\n"
+        "  - class_path: torchyard.callbacks.Timer\n    init_args: {<<: *timer, interval: epoch}\n"
+        "  - class_path: torchyard.callbacks.Timer\n    init_args: {<<: *timer, duration: 3:00:00:00}\n")
+    with pytest.warns(UserWarning, match="replaces the one before it, which drops torchyard.callbacks.ModelCheckpoint"):
         recipe = load_recipe(["good.yaml", "timed.yaml"])
     assert recipe.trainer.max_time == "1:12:00:00"  # YAML alone: 259200 seconds, three days
     assert parse_duration(recipe.trainer.max_time) == 36 * 3600
@@ -190,13 +195,13 @@ def test_console_script_reports_one_line(recipes_here):
 
 @pytest.mark.slow  # a new Python process that imports torch
 def test_python_dash_m_prints_the_resolved_config(recipes_here):
-    done = subprocess.run([sys.executable, "-m", "trainer", "config", "good.yaml", "trainer.max_epochs=7"],
+    done = subprocess.run([sys.executable, "-m", "torchyard.trainer", "config", "good.yaml", "trainer.max_epochs=7"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     config = yaml.safe_load(done.stdout)
     assert config["trainer"]["max_epochs"] == 7
     assert list(config["trainer"]) == option_names()  # every option, defaults filled in
-    assert config["model"] == {"class_path": "recipes.digits.DigitsCNN", "init_args": {
+    assert config["model"] == {"class_path": "torchyard.recipes.digits.DigitsCNN", "init_args": {
         "channels": 32, "hidden": 128, "dropout": 0.25, "lr": 0.01, "weight_decay": 1e-4}}
 
 
@@ -245,7 +250,7 @@ def test_a_strategy_of_another_name_drops_the_old_strategys_options():
 
 def test_new_class_path_drops_the_old_init_args_of_a_callback(recipes_here):
     checkpoint_args = ["callbacks.0.init_args.save_last=true", "callbacks.0.init_args.monitor=val/loss"]
-    recipe = load_recipe(["good.yaml", *checkpoint_args, "callbacks.0.class_path=callbacks.EarlyStopping",
+    recipe = load_recipe(["good.yaml", *checkpoint_args, "callbacks.0.class_path=torchyard.callbacks.EarlyStopping",
                           "callbacks.0.init_args.monitor=val/loss", "callbacks.0.init_args.patience=5"])
     early_stopping = recipe.callbacks[0].instantiate()
     assert type(early_stopping).__name__ == "EarlyStopping"
@@ -253,9 +258,9 @@ def test_new_class_path_drops_the_old_init_args_of_a_callback(recipes_here):
     assert (early_stopping.monitor, early_stopping.mode, early_stopping.patience) == ("val/loss", "min", 5)
     # The whole entry at once, too; naming the same class keeps its arguments.
     recipe = load_recipe(["good.yaml", *checkpoint_args,
-                          "callbacks.0={class_path: callbacks.EarlyStopping, init_args: {monitor: val/acc}}"])
+                          "callbacks.0={class_path: torchyard.callbacks.EarlyStopping, init_args: {monitor: val/acc}}"])
     assert recipe.callbacks[0].instantiate().mode == "min"
-    recipe = load_recipe(["good.yaml", *checkpoint_args, "callbacks.0.class_path=callbacks.ModelCheckpoint"])
+    recipe = load_recipe(["good.yaml", *checkpoint_args, "callbacks.0.class_path=torchyard.callbacks.ModelCheckpoint"])
     assert recipe.callbacks[0].init_args["save_last"] is True and recipe.callbacks[0].init_args["mode"] == "max"
 
 
@@ -285,7 +290,7 @@ def test_init_parameters_follow_kwargs_to_the_parent(recipes_here):
     parameters, takes_any = init_parameters(Child)
     assert list(parameters) == ["depth", "width", "lr"] and not takes_any
 
-    from trainer import TrainModule
+    from torchyard.trainer import TrainModule
 
     class Swallow(TrainModule):
         def __init__(self, **options):
@@ -407,7 +412,7 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the optional extra were not installed
     assert main(["plot", "run"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "trainer plot needs matplotlib: pip install 'trainer[plot]'" in err
+    assert err.count("\n") == 1 and "trainer plot needs matplotlib: pip install 'torchyard[plot]'" in err
 
 
 # --------------------------------------------------------------------------- first hour: speed and edges
@@ -428,7 +433,7 @@ def test_help_and_the_options_reference_import_no_torch(argv):
 
 
 def test_devices_auto_is_accepted_in_a_recipe_as_in_python(recipes_here):
-    from trainer.config import make_config
+    from torchyard.trainer.config import make_config
 
     one_process_per_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 1
     assert make_config({"devices": "auto"}).devices == one_process_per_gpu
@@ -447,7 +452,7 @@ def test_a_negative_learning_rate_is_one_line_before_anything_runs(recipes_here,
 
 def test_a_warning_shown_by_the_command_is_one_line_without_a_python_location(recipes_here, capsys):
     (recipes_here / "warns_models.py").write_text(
-        "import warnings\nfrom recipes.digits import DigitsCNN\n\n"
+        "import warnings\nfrom torchyard.recipes.digits import DigitsCNN\n\n"
         "class Warns(DigitsCNN):\n    def __init__(self, **kwargs):\n"
         "        warnings.warn('widths above 64 are slow on CPU')\n        super().__init__(**kwargs)\n")
     argv = ["validate", "good.yaml", "model.class_path=warns_models.Warns", "trainer.limit_val_batches=1",

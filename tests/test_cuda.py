@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from trainer import Trainer, TrainModule
-from trainer.checkpoint import load_checkpoint_file
-from trainer.errors import MisconfigurationError
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.errors import MisconfigurationError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

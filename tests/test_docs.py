@@ -95,8 +95,7 @@ def run_block(folder: Path, block: Block) -> subprocess.CompletedProcess:
     name = block.file_name or ("snippet.py" if block.language == "python" else "snippet.sh")
     (folder / name).write_text(block.code)
     command = [sys.executable, name] if block.language == "python" else ["bash", "-e", name]
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path,
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     proc = subprocess.Popen(command, cwd=folder, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)

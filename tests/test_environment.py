@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from trainer.environment import (
+from torchyard.trainer.environment import (
     ClusterEnvironment,
     detect_environment,
     expand_hostlist,
@@ -13,8 +12,8 @@ from trainer.environment import (
     node_rendezvous,
     resolve_environment,
 )
-from trainer.errors import MisconfigurationError
-from trainer.strategies.ddp import DDPStrategy
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies.ddp import DDPStrategy
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_USE_AGENT_STORE": "True",

@@ -6,9 +6,8 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
-
-from trainer import Trainer, TrainModule
-from trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
              accelerator="cpu")
@@ -206,7 +205,7 @@ def test_bad_configure_optimizers_return():
 
 
 def test_learning_rate_monitor_does_nothing_under_fast_dev_run(tmp_path):
-    from callbacks import LearningRateMonitor
+    from torchyard.callbacks import LearningRateMonitor
 
     # fast_dev_run turned the loggers off, not the user: the smoke test runs, and writes nothing.
     trainer = Trainer(fast_dev_run=True, callbacks=[LearningRateMonitor()], enable_progress_bar=False,

@@ -25,14 +25,18 @@ from faults import fault_script
 from faults.fault_script import KillAt, Net, fit, starts
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from callbacks import Callback, ModelCheckpoint
-from trainer import Trainer, TrainModule, faults
-from trainer.checkpoint import load_checkpoint_file
-from trainer.data import prepare_loader
-from trainer.errors import CheckpointError
-from trainer.faults import SIGINT_EXIT_CODE, SIGTERM_EXIT_CODE, CollectiveTimeoutError, NonFiniteLossError
-from trainer.strategies import base as strategies_base
+from torchyard.callbacks import Callback, ModelCheckpoint
+from torchyard.trainer import Trainer, TrainModule, faults
+from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.data import prepare_loader
+from torchyard.trainer.errors import CheckpointError
+from torchyard.trainer.faults import (
+    SIGINT_EXIT_CODE,
+    SIGTERM_EXIT_CODE,
+    CollectiveTimeoutError,
+    NonFiniteLossError,
+)
+from torchyard.trainer.strategies import base as strategies_base
 
 SCRIPT = Path(fault_script.__file__)
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)

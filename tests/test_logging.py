@@ -15,10 +15,9 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
-
-from callbacks import Callback
-from trainer import DataModule, Trainer, TrainModule
-from trainer.errors import MisconfigurationError
+from torchyard.callbacks import Callback
+from torchyard.trainer import DataModule, Trainer, TrainModule
+from torchyard.trainer.errors import MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
 
@@ -223,7 +222,7 @@ def test_a_checkpoint_of_another_run_starts_a_new_run_folder_and_leaves_the_othe
 
 
 def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_path):
-    from trainer.logging import CSVLogger
+    from torchyard.trainer.logging import CSVLogger
 
     train, _ = datasets
     trainer = Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="x", version="baseline"), log_every_n_steps=1,
@@ -233,7 +232,7 @@ def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_pa
 
 
 def test_a_loggers_prefix_goes_before_every_metric_name(datasets, tmp_path):
-    from trainer.logging import CSVLogger
+    from torchyard.trainer.logging import CSVLogger
 
     train, val = datasets
     plain, prefixed = CSVLogger(tmp_path, name="plain"), CSVLogger(tmp_path, name="prefixed", prefix="exp")
@@ -357,7 +356,7 @@ def probe_fit(tmp_path, module, train, val=None, **options):
 
 
 def test_monitors_see_logger_false_values_and_the_plain_name_of_step_and_epoch_values(datasets, tmp_path):
-    from callbacks import EarlyStopping, ModelCheckpoint
+    from torchyard.callbacks import EarlyStopping, ModelCheckpoint
 
     seen = []
 
@@ -393,7 +392,7 @@ def test_values_logged_in_on_train_batch_end_are_written_with_their_step(dataset
 
 
 def test_a_checkpoint_saved_in_on_train_batch_end_counts_its_steps_row_and_keeps_later_values(datasets, tmp_path):
-    from callbacks import ModelCheckpoint
+    from torchyard.callbacks import ModelCheckpoint
 
     def loss(module, batch_idx, value):
         module.log("loss", value)
@@ -466,7 +465,7 @@ def test_progress_bar_metrics_are_floats_named_as_in_lightning(datasets, tmp_pat
 def test_sync_dist_reduces_training_step_values_but_leaves_evaluation_step_values_to_their_rank():
     """Evaluation ranks may run one batch more or fewer than each other: a per-batch reduction there could
     wait forever for a rank that has finished, so it is taken per epoch only."""
-    from trainer.logging import MetricCollector
+    from torchyard.trainer.logging import MetricCollector
 
     reduced = []
     metrics = MetricCollector(lambda tensor, op: reduced.append(op) or tensor * 2)
@@ -515,7 +514,7 @@ def test_a_fit_too_short_for_its_logging_interval_says_so(datasets, tmp_path):
 
 
 def test_a_torchrun_jobs_folder_is_the_one_its_run_id_marked_last(tmp_path):
-    from trainer.runs import RUN_ID_FILE, version_of_job
+    from torchyard.trainer.runs import RUN_ID_FILE, version_of_job
 
     for version, when in (("version_0", 1_000), ("version_1", 2_000), ("version_2", 3_000)):
         (tmp_path / "exp" / version).mkdir(parents=True)
@@ -527,7 +526,7 @@ def test_a_torchrun_jobs_folder_is_the_one_its_run_id_marked_last(tmp_path):
 
 
 def test_half_precision_step_values_are_float32_as_in_lightning():
-    from trainer.logging import MetricCollector
+    from torchyard.trainer.logging import MetricCollector
 
     metrics = MetricCollector(lambda tensor, op: tensor)
     metrics.log("loss", torch.tensor(0.5, dtype=torch.bfloat16, requires_grad=True) * 1, prog_bar=True, on_epoch=True)

@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from trainer import DataModule, Trainer, TrainModule
-from trainer.errors import MisconfigurationError
+from torchyard.trainer import DataModule, Trainer, TrainModule
+from torchyard.trainer.errors import MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
              accelerator="cpu")
@@ -345,7 +344,7 @@ def test_setup_builds_layers_before_the_optimizers_and_teardown_ends_each_stage(
 
 
 def test_manual_optimization_fires_the_step_hooks_and_offers_clipping_and_toggling():
-    from callbacks import Callback
+    from torchyard.callbacks import Callback
 
     class Gan(TwoOptimizers):
         def training_step(self, batch, batch_idx):

@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-
-from recipes.charlm import CharBlocks, CharData, CharLM, decode, encode, read_corpus
-from recipes.digits import DigitsCNN, DigitsData
-from trainer.checkpoint import load_checkpoint_file
-from trainer.cli import main
+from torchyard.recipes.charlm import CharBlocks, CharData, CharLM, decode, encode, read_corpus
+from torchyard.recipes.digits import DigitsCNN, DigitsData
+from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO / "recipes" / "digits.yaml")

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
-
-from callbacks import Callback
-from trainer import Trainer, TrainModule
+from torchyard.callbacks import Callback
+from torchyard.trainer import Trainer, TrainModule
 
 BATCHES = 4  # training batches per epoch: 16 samples, 4 a batch
 

@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from callbacks import Callback, EarlyStopping, ModelCheckpoint, RichProgressBar
-from trainer import DataModule, Trainer, TrainModule
-from trainer.errors import MisconfigurationError
-from trainer.faults import NonFiniteLossError
-from trainer.optim import check_closure_optimizer
+from torchyard.callbacks import Callback, EarlyStopping, ModelCheckpoint, RichProgressBar
+from torchyard.trainer import DataModule, Trainer, TrainModule
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.faults import NonFiniteLossError
+from torchyard.trainer.optim import check_closure_optimizer
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
              accelerator="cpu")

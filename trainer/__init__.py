@@ -6,19 +6,19 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from trainer.errors import format_warning
+from torchyard.trainer.errors import format_warning
 
 if TYPE_CHECKING:
-    from trainer.data import DataModule
-    from trainer.module import TrainModule
-    from trainer.rng import seed_everything
-    from trainer.trainer import Trainer
+    from torchyard.trainer.data import DataModule
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.rng import seed_everything
+    from torchyard.trainer.trainer import Trainer
 
 __all__ = ["DataModule", "TrainModule", "Trainer", "seed_everything"]
 # Imported on first use, not with the package: these import torch (seconds), and the `trainer` command's
 # --help and `config --reference` run inside this package without needing it.
-_LAZY = {"DataModule": "trainer.data", "TrainModule": "trainer.module", "seed_everything": "trainer.rng",
-         "Trainer": "trainer.trainer"}
+_LAZY = {"DataModule": "torchyard.trainer.data", "TrainModule": "torchyard.trainer.module", "seed_everything": "torchyard.trainer.rng",
+         "Trainer": "torchyard.trainer.trainer"}
 warnings.formatwarning = format_warning  # the framework's warnings show no framework file:line (see format_warning)
 
 

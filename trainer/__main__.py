@@ -1,5 +1,5 @@
-"""`python -m trainer ...` is the `trainer` command."""
+"""`python -m torchyard.trainer ...` is the `trainer` command."""
 
-from trainer.cli import main
+from torchyard.trainer.cli import main
 
 raise SystemExit(main())

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
-
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.errors import MisconfigurationError
 
 
 def batch_limit(loader: DataLoader, limit: int | float, length: int | float | None = None) -> int | float:

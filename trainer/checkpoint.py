@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from trainer.errors import CheckpointError
+from torchyard.trainer.errors import CheckpointError
 
 CHECKPOINT_VERSION = 1
 

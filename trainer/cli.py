@@ -25,9 +25,8 @@ from typing import Any
 
 import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
-
-from trainer.errors import CheckpointError, MisconfigurationError
-from trainer.submit import add_arguments as add_submit_arguments
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.trainer.submit import add_arguments as add_submit_arguments
 
 STAGES = ("fit", "validate", "test", "predict")
 USAGE_ERROR = 2
@@ -87,7 +86,7 @@ def _one_line(err: BaseException) -> str:
 
 def describe_config_error(err: OmegaConfBaseException) -> str:
     """One line for an omegaconf error: the key, what is wrong and what to do."""
-    from trainer.config import TrainerConfig
+    from torchyard.trainer.config import TrainerConfig
 
     key = getattr(err, "full_key", None) or ""
     message = str(getattr(err, "msg", None) or err).strip().splitlines()[0]  # drop omegaconf's object_type lines
@@ -131,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_stage(args: argparse.Namespace) -> int:
     """fit / validate / test / predict: build everything from the recipe, then run the stage."""
-    from trainer import Trainer, seed_everything
-    from trainer.recipe import load_recipe
+    from torchyard.trainer import Trainer, seed_everything
+    from torchyard.trainer.recipe import load_recipe
 
     _import_from_cwd()
     recipe = load_recipe(args.sources)  # every check happens here, before anything is built
@@ -157,7 +156,7 @@ def run_stage(args: argparse.Namespace) -> int:
 
 def show_config(args: argparse.Namespace) -> int:
     """Print the resolved recipe, or the reference of trainer options."""
-    from trainer.config import reference_table, update_readme
+    from torchyard.trainer.config import reference_table, update_readme
 
     if args.reference:
         if args.readme:
@@ -168,7 +167,9 @@ def show_config(args: argparse.Namespace) -> int:
         return 0
     if args.readme:
         raise MisconfigurationError("--readme goes with --reference: `trainer config --reference --readme README.md`.")
-    from trainer.recipe import load_recipe  # imports torch: here, not above, so that --reference stays fast
+    from torchyard.trainer.recipe import (
+        load_recipe,  # imports torch: here, not above, so that --reference stays fast
+    )
 
     _import_from_cwd()
     print(load_recipe(args.sources).to_yaml(), end="")
@@ -176,7 +177,7 @@ def show_config(args: argparse.Namespace) -> int:
 
 
 def plot_runs(args: argparse.Namespace) -> int:
-    from trainer.plot import plot_runs as draw
+    from torchyard.trainer.plot import plot_runs as draw
 
     path = draw(args.run_dirs, args.output)
     print(f"wrote {path}")
@@ -195,7 +196,7 @@ def _import_from_cwd() -> None:
 
 def _run_of_recipe(sources: Sequence[str]) -> Any:
     """For `trainer fit <run>/config.yaml ckpt_path=last`: that run's checkpoints, not the newest run's."""
-    from trainer.resume import NewestCheckpoint
+    from torchyard.trainer.resume import NewestCheckpoint
 
     first = Path(sources[0]) if sources else None
     if first is not None and first.name == "config.yaml" and (first.parent / "checkpoints").is_dir():
@@ -212,9 +213,8 @@ def _show_predictions(outputs: list[Any], trainer: Any) -> None:
             print("-" * 72)
         return
     import torch
-
-    from trainer.checkpoint import save_checkpoint_file
-    from trainer.strategies.base import move_to_device
+    from torchyard.trainer.checkpoint import save_checkpoint_file
+    from torchyard.trainer.strategies.base import move_to_device
 
     # On the host, so the file loads anywhere without a map_location.
     path = save_checkpoint_file(move_to_device(outputs, torch.device("cpu")), trainer.log_dir / "predictions.pt")

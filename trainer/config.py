@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.errors import MisconfigurationError, closest
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
@@ -163,13 +163,13 @@ def _auto_devices(accelerator: str) -> int:
 
 
 def _canonical_precision(precision: Any) -> str:
-    from trainer.precision import precision_name
+    from torchyard.trainer.precision import precision_name
 
     return precision_name(precision)
 
 
 def _is_logger(item: Any) -> bool:
-    from trainer.logging import Logger
+    from torchyard.trainer.logging import Logger
 
     return isinstance(item, Logger)
 
@@ -296,7 +296,7 @@ def dump_yaml(plain: Any) -> str:
 
 def save_run_config(path: str | Path, run_config: dict[str, Any]) -> None:
     """Write a run's resolved recipe as YAML, atomically (what `trainer fit <that file>` reruns)."""
-    from trainer.logging import _atomic_write_text
+    from torchyard.trainer.logging import _atomic_write_text
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

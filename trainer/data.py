@@ -22,14 +22,13 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
-
-from trainer.environment import usable_cores
-from trainer.errors import MisconfigurationError
-from trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule, overridden
+from torchyard.trainer.environment import usable_cores
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule, overridden
 
 if TYPE_CHECKING:
-    from trainer.strategies.base import Strategy
-    from trainer.trainer import Trainer
+    from torchyard.trainer.strategies.base import Strategy
+    from torchyard.trainer.trainer import Trainer
 
 
 class DataModule(HyperparametersMixin, BatchTransferHooks):

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.errors import MisconfigurationError
 
 
 @dataclass(frozen=True)

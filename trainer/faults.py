@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainer.strategies import Strategy
-    from trainer.trainer import Trainer
+    from torchyard.trainer.strategies import Strategy
+    from torchyard.trainer.trainer import Trainer
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
 SIGINT_EXIT_CODE = 130  # 128 + SIGINT

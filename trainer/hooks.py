@@ -6,11 +6,11 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from callbacks.base import Callback
-from trainer.module import TrainModule, overridden
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.module import TrainModule, overridden
 
 if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+    from torchyard.trainer.trainer import Trainer
 
 #: Hooks whose monitoring callbacks (checkpointing, early stopping) run after the module's, via `call_monitors`.
 MONITORS_LAST = ("on_train_epoch_end",)

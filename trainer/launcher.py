@@ -29,20 +29,19 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-from trainer import faults
-from trainer.environment import (
+from torchyard.trainer import faults
+from torchyard.trainer.environment import (
     ClusterEnvironment,
     detect_environment,
     find_free_port,
     node_rendezvous,
     usable_cores,
 )
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
-    from trainer.trainer import Trainer
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.trainer import Trainer
 
 GUARD_HINT = 'put the code that builds the Trainer and calls fit under `if __name__ == "__main__":`'
 

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import MisconfigurationError
-from trainer.runs import VersionClaim, run_folder, version_folder
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.runs import VersionClaim, run_folder, version_folder
 
 
 class Logger:
@@ -198,7 +198,7 @@ class TensorBoardLogger(Logger):
         try:
             import tensorboard  # noqa: F401
         except ImportError as err:
-            raise MisconfigurationError("TensorBoardLogger needs tensorboard: pip install 'trainer[tensorboard]'.") from err
+            raise MisconfigurationError("TensorBoardLogger needs tensorboard: pip install 'torchyard[tensorboard]'.") from err
         self._writer = None
 
     @property

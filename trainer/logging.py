@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from trainer.data import batch_size_of
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.data import batch_size_of
+from torchyard.trainer.errors import MisconfigurationError
 
 # The writers live in trainer/loggers.py; their names stay importable from here, where they always were.
-from trainer.loggers import (  # noqa: F401
+from torchyard.trainer.loggers import (  # noqa: F401
     CSVLogger,
     Logger,
     TensorBoardLogger,
@@ -26,8 +25,7 @@ from trainer.loggers import (  # noqa: F401
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
-
-    from trainer.loop import Progress
+    from torchyard.trainer.loop import Progress
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
 _HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))  # a set: `in` a tuple compares dtypes with ==, slower per step

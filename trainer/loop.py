@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
-
-from trainer.batches import batch_limit, epoch_batches, val_every, validates_after
-from trainer.data import (
+from torchyard.trainer.batches import batch_limit, epoch_batches, val_every, validates_after
+from torchyard.trainer.data import (
     batch_mover,
     data_wait_advice,
     measure_data_wait,
@@ -24,16 +23,16 @@ from trainer.data import (
     shard_batches,
     skip_batches,
 )
-from trainer.errors import MisconfigurationError
-from trainer.faults import StepGuard
-from trainer.loop_state import Progress
-from trainer.optim import SchedulerConfig, step_scheduler
-from trainer.rng import rng_state, seeded, set_rng_state
-from trainer.step import TrainStep
-from trainer.strategies.base import move_to_device
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.faults import StepGuard
+from torchyard.trainer.loop_state import Progress
+from torchyard.trainer.optim import SchedulerConfig, step_scheduler
+from torchyard.trainer.rng import rng_state, seeded, set_rng_state
+from torchyard.trainer.step import TrainStep
+from torchyard.trainer.strategies.base import move_to_device
 
 if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+    from torchyard.trainer.trainer import Trainer
 
 __all__ = ["Progress", "batch_limit", "evaluation_loop", "fit_loop", "predict_loop"]
 

@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-
-from trainer.errors import CheckpointError, MisconfigurationError, closest
-from trainer.optim import CLIP_ALGORITHMS
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest
+from torchyard.trainer.optim import CLIP_ALGORITHMS
 
 if TYPE_CHECKING:
-    from callbacks.base import Callback
-    from trainer.trainer import Trainer
+    from torchyard.callbacks.base import Callback
+    from torchyard.trainer.trainer import Trainer
 
 
 class AttributeDict(dict):
@@ -92,7 +91,7 @@ class BatchTransferHooks:
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a batch to `device`; the default moves the tensors in (nested) lists, tuples and dicts."""
         # Imported here, not at the top: the strategies import this module.
-        from trainer.strategies.base import move_to_device
+        from torchyard.trainer.strategies.base import move_to_device
 
         return move_to_device(batch, device, non_blocking=device.type == "cuda")
 
@@ -410,8 +409,8 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         As in Lightning, saved hparams that `__init__` does not take (set on `self.hparams` later, or a
         parent's) are left out; keyword overrides win over the saved values.
         """
-        from trainer.checkpoint import load_checkpoint_file, weights_mismatch
-        from trainer.recipe import init_parameters
+        from torchyard.trainer.checkpoint import load_checkpoint_file, weights_mismatch
+        from torchyard.trainer.recipe import init_parameters
 
         parameters, takes_any = init_parameters(cls)
         for key in hparam_overrides:

@@ -16,8 +16,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 # The option schema owns these value sets (it imports no torch); CLIP_ALGORITHMS stays importable from here.
-from trainer.config import CLIP_ALGORITHMS, LR_SCALINGS  # noqa: F401
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.config import CLIP_ALGORITHMS, LR_SCALINGS  # noqa: F401
+from torchyard.trainer.errors import MisconfigurationError
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.errors import MisconfigurationError
 
 # Columns of metrics.csv that are coordinates, not metrics.
 NOT_METRICS = ("step", "epoch")
@@ -79,7 +79,7 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
         import matplotlib.pyplot as plt
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
-        raise MisconfigurationError("trainer plot needs matplotlib: pip install 'trainer[plot]' (or pip install matplotlib).") from err
+        raise MisconfigurationError("trainer plot needs matplotlib: pip install 'torchyard[plot]' (or pip install matplotlib).") from err
 
     output = output_file(output, list(FigureCanvasBase.get_supported_filetypes()))
     runs = {str(run_dir): read_metrics(find_metrics_file(run_dir)) for run_dir in run_dirs}

@@ -7,12 +7,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from trainer.config import PRECISIONS  # the option schema owns the value set; importable from here too
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.config import (
+    PRECISIONS,  # the option schema owns the value set; importable from here too
+)
+from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
+    from torchyard.trainer.module import TrainModule
 
 NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 # Lightning's other spellings of the same three, so that a ported Trainer(precision=...) keeps working.

@@ -6,24 +6,23 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
-
-from callbacks.base import Callback
-from trainer.config import TrainerConfig, save_run_config
-from trainer.data import STAGE_LOADERS, DataModule, own_loader
-from trainer.errors import MisconfigurationError
-from trainer.logging import CSVLogger, Logger, TensorBoardLogger
-from trainer.module import TrainModule
-from trainer.optim import (
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.config import TrainerConfig, save_run_config
+from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.logging import CSVLogger, Logger, TensorBoardLogger
+from torchyard.trainer.module import TrainModule
+from torchyard.trainer.optim import (
     LRScaler,
     SchedulerConfig,
     check_closure_optimizer,
     is_torch_scheduler,
     parse_optimizers,
 )
-from trainer.runs import RUN_ID_FILE
+from torchyard.trainer.runs import RUN_ID_FILE
 
 if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+    from torchyard.trainer.trainer import Trainer
 
 
 def apply_fast_dev_run(config: TrainerConfig) -> TrainerConfig:
@@ -55,7 +54,7 @@ def build_loggers(config: TrainerConfig, spec: Any) -> list[Logger]:
 
 def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> list[Callback]:
     """`callbacks` and those the options add (progress bar, summary, checkpointing, a Timer for max_time)."""
-    from callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
+    from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 
     kinds = {type(c) for c in callbacks}
     # fast_dev_run turns checkpointing off itself; the checkpoint callbacks a user gives then save nothing.
@@ -194,7 +193,7 @@ def callback_list(value: Any, must: str) -> list[Callback]:
 
 def _checkpointing_last(callbacks: list[Callback]) -> list[Callback]:
     """Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters)."""
-    from callbacks import ModelCheckpoint
+    from torchyard.callbacks import ModelCheckpoint
 
     return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
 

@@ -16,7 +16,7 @@ LightningCLI and Hydra. The callbacks list can also be appended to, with Lightni
 
     callbacks:  [...]      in a later file: replaces the list before it (a warning names each class it drops)
     callbacks+: [...]      in a later file: appends its entries to the list before it
-    callbacks+={class_path: callbacks.EarlyStopping, init_args: {monitor: val/loss}}    an override that
+    callbacks+={class_path: torchyard.callbacks.EarlyStopping, init_args: {monitor: val/loss}}    an override that
                            appends one entry (or a list of entries)
     callbacks.0.init_args.monitor=val/acc    an override that changes entry 0 in place
 
@@ -36,14 +36,19 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
-from callbacks.base import Callback
-from trainer.config import TrainerConfig, dump_yaml, make_config, option_names
-from trainer.data import DataModule
-from trainer.errors import MisconfigurationError, closest
-from trainer.module import TrainModule
-from trainer.signatures import check_init_args, import_class, init_parameters, is_plain, plain_default
-from trainer.strategies import build_strategy
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.config import TrainerConfig, dump_yaml, make_config, option_names
+from torchyard.trainer.data import DataModule
+from torchyard.trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.module import TrainModule
+from torchyard.trainer.signatures import (
+    check_init_args,
+    import_class,
+    init_parameters,
+    is_plain,
+    plain_default,
+)
+from torchyard.trainer.strategies import build_strategy
 
 __all__ = ["ClassSpec", "Recipe", "check_init_args", "class_spec", "import_class", "init_parameters", "is_override",
            "load_recipe", "read_recipe_file"]

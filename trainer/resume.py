@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint import saved_position
-from trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.trainer.checkpoint import saved_position
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
-    from trainer.strategies import Strategy
-    from trainer.trainer import Trainer
+    from torchyard.trainer.module import TrainModule
+    from torchyard.trainer.strategies import Strategy
+    from torchyard.trainer.trainer import Trainer
 
 
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint | None,

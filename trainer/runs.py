@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.logging import Logger
-    from trainer.strategies import Strategy
+    from torchyard.trainer.logging import Logger
+    from torchyard.trainer.strategies import Strategy
 
 RUN_ID_FILE = ".elastic_run_id"  # in a version folder: the torchrun job whose attempts all write there
 _VERSION = re.compile(r"version_(\d+)")

@@ -10,11 +10,10 @@ import typing
 from typing import Any, Union
 
 from torch import nn
-
-from callbacks.base import Callback
-from trainer.data import DataModule
-from trainer.errors import MisconfigurationError, closest
-from trainer.module import TrainModule
+from torchyard.callbacks.base import Callback
+from torchyard.trainer.data import DataModule
+from torchyard.trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.module import TrainModule
 
 # __init__s that take no user arguments: **kwargs that would reach them are the subclass's own.
 _ARGLESS_BASES = (object, nn.Module, TrainModule, DataModule, Callback)
@@ -24,7 +23,7 @@ def import_class(where: str, class_path: str, base: type) -> type:
     """The class `class_path` names, which must be a subclass of `base`."""
     module_name, _, name = class_path.rpartition(".")
     if not module_name:
-        raise MisconfigurationError(f"{where}.class_path={class_path!r} needs its module, e.g. 'recipes.digits.DigitsCNN'.")
+        raise MisconfigurationError(f"{where}.class_path={class_path!r} needs its module, e.g. 'torchyard.recipes.digits.DigitsCNN'.")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -7,14 +7,13 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from trainer.checkpoint import CHECKPOINT_VERSION, unloadable, weights_mismatch
-from trainer.errors import CheckpointError, MisconfigurationError
-from trainer.rng import rng_state, set_rng_state
-from trainer.runs import run_folder
+from torchyard.trainer.checkpoint import CHECKPOINT_VERSION, unloadable, weights_mismatch
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.trainer.rng import rng_state, set_rng_state
+from torchyard.trainer.runs import run_folder
 
 if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+    from torchyard.trainer.trainer import Trainer
 
 
 # --------------------------------------------------------------------------- saving

@@ -7,16 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
-
-from trainer.data import batch_mover
-from trainer.errors import MisconfigurationError
-from trainer.module import TrainModule, overridden
-from trainer.optim import HookedClosure, HookOptimizer, needs_closure, step_scheduler, takes_closure
-from trainer.strategies.base import step_loss
+from torchyard.trainer.data import batch_mover
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.module import TrainModule, overridden
+from torchyard.trainer.optim import HookedClosure, HookOptimizer, needs_closure, step_scheduler, takes_closure
+from torchyard.trainer.strategies.base import step_loss
 
 if TYPE_CHECKING:
-    from trainer.faults import StepGuard
-    from trainer.trainer import Trainer
+    from torchyard.trainer.faults import StepGuard
+    from torchyard.trainer.trainer import Trainer
 
 
 class TrainStep:

@@ -23,7 +23,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.errors import MisconfigurationError
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a run that saved on SIGTERM exits with (trainer.faults; no torch here)
 
@@ -142,7 +142,7 @@ def _script_of(sources: list[str]) -> str | None:
 
 def _recipe_name_and_root(sources: list[str]) -> tuple[str, Path]:
     """The recipe's trainer.name and default_root_dir (absolute); the whole recipe is checked on the way."""
-    from trainer.recipe import (  # imports torch: here, so that `trainer --help` stays fast
+    from torchyard.trainer.recipe import (  # imports torch: here, so that `trainer --help` stays fast
         is_override,
         load_recipe,
     )
@@ -158,12 +158,12 @@ def _recipe_name_and_root(sources: list[str]) -> tuple[str, Path]:
 
 def _fit_command(sources: list[str], nodes: int, tasks_per_node: int, run_root: Path, resume: bool) -> list[str]:
     """`trainer fit` with the job's shape and run root; ckpt_path=last where there is a run to go on with."""
-    from trainer.recipe import is_override  # imports torch: see _recipe_name_and_root
+    from torchyard.trainer.recipe import is_override  # imports torch: see _recipe_name_and_root
 
     absolute = [source if is_override(source) else str(Path(source).resolve()) for source in sources]
     # A requeued job (SLURM_RESTART_COUNT set) resumes; its first attempt has nothing to resume from.
     resume_from_last = "ckpt_path=last" if resume else RESUME_WHEN_REQUEUED
-    return [sys.executable, "-m", "trainer", "fit", *absolute, f"trainer.num_nodes={nodes}",
+    return [sys.executable, "-m", "torchyard.trainer", "fit", *absolute, f"trainer.num_nodes={nodes}",
             f"trainer.devices={tasks_per_node}", f"trainer.default_root_dir={run_root}", resume_from_last]
 
 

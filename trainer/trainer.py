@@ -12,20 +12,19 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-
-from callbacks.base import Callback
-from trainer import faults
-from trainer.batches import batch_limit
-from trainer.config import TrainerConfig, make_config
-from trainer.data import DataModule, build_loaders, stage_loaders
-from trainer.errors import MisconfigurationError
-from trainer.hooks import Hooks
-from trainer.logging import Logger, MetricCollector, print_results_table
-from trainer.loop import evaluation_loop, fit_loop, predict_loop
-from trainer.loop_state import LoopState, Progress
-from trainer.module import TrainModule
-from trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
-from trainer.preflight import (
+from torchyard.callbacks.base import Callback
+from torchyard.trainer import faults
+from torchyard.trainer.batches import batch_limit
+from torchyard.trainer.config import TrainerConfig, make_config
+from torchyard.trainer.data import DataModule, build_loaders, stage_loaders
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.hooks import Hooks
+from torchyard.trainer.logging import Logger, MetricCollector, print_results_table
+from torchyard.trainer.loop import evaluation_loop, fit_loop, predict_loop
+from torchyard.trainer.loop_state import LoopState, Progress
+from torchyard.trainer.module import TrainModule
+from torchyard.trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
+from torchyard.trainer.preflight import (
     apply_fast_dev_run,
     build_loggers,
     build_optimizers,
@@ -37,11 +36,16 @@ from trainer.preflight import (
     with_default_callbacks,
     write_run_files,
 )
-from trainer.resume import default_ckpt_path, load_resume_checkpoint, resolve_ckpt_path, resume_after_restart
-from trainer.rng import seed_everything, set_determinism
-from trainer.runs import RunFolder
-from trainer.state import build_checkpoint, restore_checkpoint
-from trainer.strategies import Strategy, build_strategy
+from torchyard.trainer.resume import (
+    default_ckpt_path,
+    load_resume_checkpoint,
+    resolve_ckpt_path,
+    resume_after_restart,
+)
+from torchyard.trainer.rng import seed_everything, set_determinism
+from torchyard.trainer.runs import RunFolder
+from torchyard.trainer.state import build_checkpoint, restore_checkpoint
+from torchyard.trainer.strategies import Strategy, build_strategy
 
 
 def _config_field(name: str) -> property:
@@ -255,7 +259,7 @@ class Trainer:
 
     @property
     def early_stopping_callback(self) -> Any:
-        from callbacks import EarlyStopping
+        from torchyard.callbacks import EarlyStopping
 
         return next((c for c in self.callbacks if isinstance(c, EarlyStopping)), None)
 
@@ -273,7 +277,7 @@ class Trainer:
 
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
-        from callbacks import ModelCheckpoint
+        from torchyard.callbacks import ModelCheckpoint
 
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 
@@ -344,7 +348,7 @@ class Trainer:
         environment = self.strategy.detect_environment()
         if self.strategy.job_size > 1 and not environment.launched:
             # Imported here: torch's elastic agent takes 150 ms to import, needed only to start processes.
-            from trainer import launcher
+            from torchyard.trainer import launcher
 
             outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
             # As after a stage run here, test() may follow fit() on the same module and datamodule.
@@ -436,7 +440,7 @@ class Trainer:
             strategy.gather_module()
         if hand_back:
             # Imported here: the launcher imports torch's elastic agent (150 ms), which only a started job needs.
-            from trainer import launcher
+            from torchyard.trainer import launcher
 
             # Every rank joins: gathering a split model's weights (pipeline) is a collective. It leaves the
             # whole model on every rank, so each node's first rank hands it to the script on its node.

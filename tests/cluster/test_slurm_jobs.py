@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer.checkpoint import load_checkpoint_file
-from trainer.cli import main
+from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.cli import main
 
 pytestmark = pytest.mark.slow
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from trainer.cli import main
+from torchyard.trainer.cli import main
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -32,7 +31,7 @@ def test_dry_run_prints_a_script_that_starts_one_task_per_gpu(capsys, tmp_path):
         "#SBATCH --account=proj", "#SBATCH --mem=16G", "#SBATCH --qos=high",
     ]
     [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
-    assert srun == (f"srun --kill-on-bad-exit=1 {sys.executable} -m trainer fit {RECIPES / 'digits.yaml'} "
+    assert srun == (f"srun --kill-on-bad-exit=1 {sys.executable} -m torchyard.trainer fit {RECIPES / 'digits.yaml'} "
                     f'trainer.max_epochs=3 trainer.num_nodes=2 trainer.devices=4 "trainer.default_root_dir='
                     f'{tmp_path / "runs"}/slurm-${{SLURM_JOB_ID}}" ${{SLURM_RESTART_COUNT:+ckpt_path=last}}')
     assert "if [ $status -eq 143 ]; then" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from callbacks import Callback, ModelCheckpoint
-from trainer import Trainer, TrainModule
+from torchyard.callbacks import Callback, ModelCheckpoint
+from torchyard.trainer import Trainer, TrainModule
 
 SAMPLES, BATCH, EPOCHS, SEED = 48, 4, 2, 7  # one process: 12 steps an epoch; ddp on 2: 6
 

@@ -23,13 +23,12 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from callbacks import BasePredictionWriter, Callback, ModelCheckpoint
-from trainer import DataModule, Trainer, TrainModule
-from trainer.environment import ClusterEnvironment, find_free_port
-from trainer.errors import MisconfigurationError
-from trainer.strategies import build_strategy, distributed
-from trainer.strategies.ddp import DDPStrategy
+from torchyard.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
+from torchyard.trainer import DataModule, Trainer, TrainModule
+from torchyard.trainer.environment import ClusterEnvironment, find_free_port
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies import build_strategy, distributed
+from torchyard.trainer.strategies.ddp import DDPStrategy
 
 SEED, BATCH, EPOCHS, BASE_LR = 3, 4, 2, 0.05
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
@@ -580,7 +579,7 @@ class TrainOnly(DataModule):
 
 
 def test_after_a_fit_in_started_processes_the_caller_tests_on_its_datamodule_and_cannot_save_an_absent_state(monkeypatch):
-    from trainer import launcher
+    from torchyard.trainer import launcher
 
     started = []
     monkeypatch.setattr(launcher, "launch", lambda trainer, stage, *run_args: started.append(stage) or {"result": None})

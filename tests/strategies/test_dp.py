@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from trainer import Trainer, TrainModule
-from trainer.errors import MisconfigurationError
-from trainer.strategies import build_strategy
-from trainer.strategies.dp import DataParallelStrategy, ReplicaSteps, _mean_over_replicas
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies import build_strategy
+from torchyard.trainer.strategies.dp import DataParallelStrategy, ReplicaSteps, _mean_over_replicas
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
              num_sanity_val_steps=0, max_epochs=2, seed=4)

@@ -21,18 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from callbacks import ModelCheckpoint, Timer
-from recipes.digits import DigitsCNN, DigitsData
-from trainer import Trainer, TrainModule
-from trainer.checkpoint import load_checkpoint_file
-from trainer.data import ResumableBatchSampler
-from trainer.environment import ClusterEnvironment
-from trainer.errors import MisconfigurationError
-from trainer.strategies import build_strategy
-from trainer.strategies.ps import ParameterServerStrategy
-from trainer.strategies.ps_client import ClaimedBatches, check_optimizer, plan_shards
-from trainer.strategies.ps_server import ParameterShard
+from torchyard.callbacks import ModelCheckpoint, Timer
+from torchyard.recipes.digits import DigitsCNN, DigitsData
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.data import ResumableBatchSampler
+from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies import build_strategy
+from torchyard.trainer.strategies.ps import ParameterServerStrategy
+from torchyard.trainer.strategies.ps_client import ClaimedBatches, check_optimizer, plan_shards
+from torchyard.trainer.strategies.ps_server import ParameterShard
 
 SEED, BATCH, EPOCHS = 3, 4, 2
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)

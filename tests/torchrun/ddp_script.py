@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from callbacks import ModelCheckpoint
-from trainer import Trainer, TrainModule
+from torchyard.callbacks import ModelCheckpoint
+from torchyard.trainer import Trainer, TrainModule
 
 SEED, BATCH, EPOCHS, LR = 5, 4, 2, 0.1
 

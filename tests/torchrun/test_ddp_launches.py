@@ -17,8 +17,7 @@ import ddp_script
 import pytest
 import torch
 import torch.nn.functional as F
-
-from trainer.environment import find_free_port
+from torchyard.trainer.environment import find_free_port
 
 SCRIPT = Path(ddp_script.__file__)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -142,7 +141,7 @@ def test_two_nodes_started_by_the_trainer_itself_meet_at_master_addr(tmp_path):
 UNGUARDED = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from trainer import Trainer
+from torchyard.trainer import Trainer
 from ddp_script import Line
 
 data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
@@ -163,14 +162,14 @@ def refused_script(tmp_path: Path, name: str, text: str) -> tuple[str, Path]:
 @pytest.mark.timeout(120)
 def test_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
     last, _ = refused_script(tmp_path, "unguarded.py", UNGUARDED)
-    assert last.startswith("trainer.errors.MisconfigurationError: ") and "unguarded.py:8 starts a 2-process job" in last
+    assert last.startswith("torchyard.trainer.errors.MisconfigurationError: ") and "unguarded.py:8 starts a 2-process job" in last
     assert 'if __name__ == "__main__":' in last
 
 
 GUARDED_CLASS = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from trainer import Trainer
+from torchyard.trainer import Trainer
 from ddp_script import Line
 
 if __name__ == "__main__":
@@ -185,6 +184,6 @@ if __name__ == "__main__":
 @pytest.mark.timeout(120)
 def test_a_module_class_defined_under_the_main_guard_is_refused_before_any_worker_starts(tmp_path):
     last, script = refused_script(tmp_path, "guarded_class.py", GUARDED_CLASS)
-    assert last == (f'trainer.errors.MisconfigurationError: Local is defined inside `if __name__ == "__main__":` of '
+    assert last == (f'torchyard.trainer.errors.MisconfigurationError: Local is defined inside `if __name__ == "__main__":` of '
                     f"{script}, but the worker processes import the script without running that block; define it "
                     "above the guard.")

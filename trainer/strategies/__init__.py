@@ -7,17 +7,17 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.errors import MisconfigurationError, closest
-from trainer.strategies.base import Strategy
+from torchyard.trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.strategies.base import Strategy
 
 #: name -> "module:class", imported when that strategy is built: `import trainer` then pays for none of
 #: them (ps's torch.distributed.rpc alone takes about 80 ms to import).
 STRATEGIES: dict[str, str] = {
-    "single": "trainer.strategies.single:SingleDeviceStrategy",
-    "dp": "trainer.strategies.dp:DataParallelStrategy",
-    "ddp": "trainer.strategies.ddp:DDPStrategy",
-    "pipeline": "trainer.strategies.pipeline:PipelineStrategy",
-    "ps": "trainer.strategies.ps:ParameterServerStrategy",
+    "single": "torchyard.trainer.strategies.single:SingleDeviceStrategy",
+    "dp": "torchyard.trainer.strategies.dp:DataParallelStrategy",
+    "ddp": "torchyard.trainer.strategies.ddp:DDPStrategy",
+    "pipeline": "torchyard.trainer.strategies.pipeline:PipelineStrategy",
+    "ps": "torchyard.trainer.strategies.ps:ParameterServerStrategy",
 }
 
 

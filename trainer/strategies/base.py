@@ -18,18 +18,22 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-
-from trainer.checkpoint import link_checkpoint_file, load_checkpoint_file, save_checkpoint_file, sync_folder
-from trainer.data import prepare_loader
-from trainer.environment import ClusterEnvironment, detect_environment
-from trainer.errors import MisconfigurationError
-from trainer.precision import Precision
+from torchyard.trainer.checkpoint import (
+    link_checkpoint_file,
+    load_checkpoint_file,
+    save_checkpoint_file,
+    sync_folder,
+)
+from torchyard.trainer.data import prepare_loader
+from torchyard.trainer.environment import ClusterEnvironment, detect_environment
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.precision import Precision
 
 HOST = torch.device("cpu")
 
 if TYPE_CHECKING:
-    from trainer.config import TrainerConfig
-    from trainer.module import TrainModule
+    from torchyard.trainer.config import TrainerConfig
+    from torchyard.trainer.module import TrainModule
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -216,7 +220,9 @@ class Strategy(ABC):
 
     def check_module(self, module: TrainModule, stage: str) -> None:
         """Refuse, before any process starts, a module this strategy cannot run `stage` ("fit", ...) with."""
-        from trainer.module import TrainModule  # here: trainer.module imports the strategies' package
+        from torchyard.trainer.module import (
+            TrainModule,  # here: trainer.module imports the strategies' package
+        )
 
         step = {"validate": "validation_step", "test": "test_step"}.get(stage)
         if step is not None and getattr(type(module), step) is getattr(TrainModule, step):
@@ -245,7 +251,7 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
-        from trainer.module import TrainModule, overridden
+        from torchyard.trainer.module import TrainModule, overridden
 
         self.module = module.to(self.root_device)
         self.model = self.module

@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies.base import StepDispatcher
+from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
 from typing_extensions import override
 
-from trainer.environment import ClusterEnvironment
-from trainer.errors import MisconfigurationError
-from trainer.strategies.base import StepDispatcher
-from trainer.strategies.process_group import ProcessGroupStrategy
-
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
+    from torchyard.trainer.module import TrainModule
 
 # Gradient compression through torch's own DDP communication hooks: buckets travel in half precision.
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}

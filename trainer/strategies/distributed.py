@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from trainer.environment import ClusterEnvironment
-from trainer.errors import MisconfigurationError
+from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.errors import MisconfigurationError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # A gloo worker thread frees a finished collective's tensors only once it holds the GIL. One still waiting for it

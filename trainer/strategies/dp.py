@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies.base import StepDispatcher, Strategy
 from typing_extensions import override
 
-from trainer.errors import MisconfigurationError
-from trainer.strategies.base import StepDispatcher, Strategy
-
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
+    from torchyard.trainer.module import TrainModule
 
 
 def _as_vector(value: Any) -> Any:

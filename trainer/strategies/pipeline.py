@@ -11,16 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
-from typing_extensions import override
-
-from trainer.environment import ClusterEnvironment
-from trainer.errors import MisconfigurationError
-from trainer.logging import _batch_value as batch_value
-from trainer.module import TrainModule
-from trainer.optim import needs_closure
-from trainer.strategies import distributed
-from trainer.strategies.base import move_to_device
-from trainer.strategies.pipeline_split import (
+from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.logging import _batch_value as batch_value
+from torchyard.trainer.module import TrainModule
+from torchyard.trainer.optim import needs_closure
+from torchyard.trainer.strategies import distributed
+from torchyard.trainer.strategies.base import move_to_device
+from torchyard.trainer.strategies.pipeline_split import (
     build_stage_modules,
     check_schedule,
     microbatch_count,
@@ -32,7 +30,8 @@ from trainer.strategies.pipeline_split import (
     stage_placement,
     v_style,
 )
-from trainer.strategies.process_group import ProcessGroupStrategy
+from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
+from typing_extensions import override
 
 
 def sendable(value: Any) -> Any:

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-
-from trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.errors import MisconfigurationError, closest
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
+    from torchyard.trainer.module import TrainModule
 
 # torch places these as a V (rank r holds stages r and 2p-1-r), and cannot run them forward-only.
 V_STYLE_PLACEMENT = ("zbv_zero_bubble", "dualpipev")

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchyard.trainer.environment import ClusterEnvironment, resolve_environment
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies import distributed
+from torchyard.trainer.strategies.base import Strategy
 from typing_extensions import override
-
-from trainer.environment import ClusterEnvironment, resolve_environment
-from trainer.errors import MisconfigurationError
-from trainer.strategies import distributed
-from trainer.strategies.base import Strategy
 
 
 class ProcessGroupStrategy(Strategy):

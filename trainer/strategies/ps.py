@@ -16,25 +16,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, IterableDataset
-from typing_extensions import override
-
-from trainer import faults
-from trainer.data import ResumableBatchSampler, _loader_kwargs, prepare_loader
-from trainer.environment import ClusterEnvironment, find_free_port
-from trainer.errors import MisconfigurationError
-from trainer.strategies import distributed
-from trainer.strategies.process_group import ProcessGroupStrategy
-from trainer.strategies.ps_client import (
+from torchyard.trainer import faults
+from torchyard.trainer.data import ResumableBatchSampler, _loader_kwargs, prepare_loader
+from torchyard.trainer.environment import ClusterEnvironment, find_free_port
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies import distributed
+from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
+from torchyard.trainer.strategies.ps_client import (
     ClaimedBatches,
     RemoteOptimizer,
     ShardClient,
     check_optimizer,
     plan_shards,
 )
-from trainer.strategies.ps_server import ParameterShard, on_shard, start_serving, stop_serving
+from torchyard.trainer.strategies.ps_server import ParameterShard, on_shard, start_serving, stop_serving
+from typing_extensions import override
 
 if TYPE_CHECKING:
-    from trainer.config import TrainerConfig
+    from torchyard.trainer.config import TrainerConfig
 
 STALE_POLICIES = ("drop", "scale")
 BACKENDS = ("gloo", "nccl")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies.base import Strategy
 from typing_extensions import override
-
-from trainer.environment import ClusterEnvironment
-from trainer.errors import MisconfigurationError
-from trainer.strategies.base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):
