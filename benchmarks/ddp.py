@@ -76,6 +76,8 @@ def step_times(stamps: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def hand_written(rank: int, port: int, data: TensorDataset, args: argparse.Namespace) -> list[tuple[float, float]]:
     """The textbook loop: DistributedSampler, DDP, zero_grad / forward / backward / step."""
+    if dist.is_initialized():  # a torchrun-launched Trainer leaves its group up for the script, as Lightning does
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
