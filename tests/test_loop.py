@@ -23,13 +23,13 @@ from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.data import (
     data_wait_advice,
     measure_data_wait,
-    merge_prediction_shares,
     prepare_loader,
     samples_in_batches,
     worker_oversubscription,
 )
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.predictions import merge_prediction_shares
 from torchyard.trainer.strategies.single import SingleDeviceStrategy
 
 SEED = 7

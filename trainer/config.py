@@ -18,8 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.loggers import Logger, atomic_write_text
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+# Lightning's other spellings of the same three, so that a ported Trainer(precision=...) keeps working.
+PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+# Lightning's whole-model precisions (weights and optimizer state in that dtype), with what to use instead.
+UNSUPPORTED_PRECISIONS = {
+    "16-true": "'16-mixed', which keeps float32 weights and optimizer state",
+    "bf16-true": "'bf16-mixed', which keeps float32 weights and optimizer state",
+    "64-true": "precision='32' with the module cast by you (module.double()) and float64 data",
+}
+
+
 CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
@@ -162,16 +173,16 @@ def _auto_devices(accelerator: str) -> int:
     return max(1, torch.cuda.device_count()) if gpus else 1
 
 
-def _canonical_precision(precision: Any) -> str:
-    from torchyard.trainer.precision import precision_name
-
-    return precision_name(precision)
-
-
-def _is_logger(item: Any) -> bool:
-    from torchyard.trainer.logging import Logger
-
-    return isinstance(item, Logger)
+def precision_name(precision: Any) -> str:
+    """The canonical name of `precision` (Lightning's spellings too: 32, "32-true", 16, "bf16"), or a clear
+    error when it names none of PRECISIONS."""
+    name = PRECISION_ALIASES.get(str(precision), str(precision))
+    if name in PRECISIONS:
+        return name
+    if name in UNSUPPORTED_PRECISIONS:
+        raise MisconfigurationError(
+            f"precision={precision!r} (the whole model in {name[:-5]}) is not supported; use {UNSUPPORTED_PRECISIONS[name]}.")
+    raise MisconfigurationError(f"precision={precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
 
 
 def validate(config: TrainerConfig) -> None:
@@ -201,7 +212,7 @@ def validate(config: TrainerConfig) -> None:
     _need(config.max_restarts >= 0, f"max_restarts={config.max_restarts} must be >= 0.")
     _need(config.nonfinite_loss in NONFINITE_MODES,
           f"nonfinite_loss={config.nonfinite_loss!r} is not known; use one of {', '.join(NONFINITE_MODES)}.")
-    config.precision = _canonical_precision(config.precision)
+    config.precision = precision_name(config.precision)
     _need(config.gradient_clip_algorithm in CLIP_ALGORITHMS,
           f"gradient_clip_algorithm={config.gradient_clip_algorithm!r}; use 'norm' or 'value'.")
     _need(config.gradient_clip_val is None or (isinstance(config.gradient_clip_val, (int, float)) and config.gradient_clip_val > 0),
@@ -224,7 +235,7 @@ def validate(config: TrainerConfig) -> None:
     _need(config.limit_train_batches != 0, "limit_train_batches=0 would train on nothing; use a fraction in (0, 1] or a "
           "batch count >= 1 (to only evaluate, call trainer.validate or trainer.test).")
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
-        known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or _is_logger(item)
+        known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
 
 
@@ -296,8 +307,6 @@ def dump_yaml(plain: Any) -> str:
 
 def save_run_config(path: str | Path, run_config: dict[str, Any]) -> None:
     """Write a run's resolved recipe as YAML, atomically (what `trainer fit <that file>` reruns)."""
-    from torchyard.trainer.logging import _atomic_write_text
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(path, dump_yaml(run_config))
+    atomic_write_text(path, dump_yaml(run_config))

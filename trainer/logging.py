@@ -18,7 +18,7 @@ from torchyard.trainer.loggers import (  # noqa: F401
     CSVLogger,
     Logger,
     TensorBoardLogger,
-    _atomic_write_text,
+    atomic_write_text,
     hparams_yaml,
     print_results_table,
 )
@@ -38,7 +38,7 @@ def _is_metric(value: Any) -> bool:
     return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
 
 
-def _batch_value(metric: Metric) -> torch.Tensor:
+def batch_value(metric: Metric) -> torch.Tensor:
     # torchmetrics keeps the value of the last forward() in a private attribute; it is the only way to
     # log a Metric's per-batch value without computing it twice (Lightning reads the same attribute).
     cached = getattr(metric, "_forward_cache", None)
@@ -153,7 +153,7 @@ class MetricCollector:
             tensor = value.data if value.requires_grad else value
         elif not isinstance(value, torch.Tensor) and _is_metric(value):
             # A Metric keeps its own epoch state and syncs it in compute(); only its batch value is taken here.
-            entry.metric, tensor, sync_dist, on_epoch = value, _batch_value(value).detach() if on_step else None, False, False
+            entry.metric, tensor, sync_dist, on_epoch = value, batch_value(value).detach() if on_step else None, False, False
         else:
             tensor = _to_tensor(name, value)
         if tensor is not None and tensor.dtype in _HALF_DTYPES:

@@ -17,16 +17,14 @@ from torchyard.trainer.data import (
     batch_mover,
     data_wait_advice,
     measure_data_wait,
-    merge_prediction_shares,
-    recording_batch_indices,
     set_epoch,
-    shard_batches,
     skip_batches,
 )
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.faults import StepGuard
 from torchyard.trainer.loop_state import Progress
 from torchyard.trainer.optim import SchedulerConfig, step_scheduler
+from torchyard.trainer.predictions import merge_prediction_shares, recording_batch_indices, shard_batches
 from torchyard.trainer.rng import rng_state, seeded, set_rng_state
 from torchyard.trainer.step import TrainStep
 from torchyard.trainer.strategies.base import move_to_device

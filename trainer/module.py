@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,12 +11,44 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torchyard.trainer.batches import move_to_device
+from torchyard.trainer.checkpoint import load_checkpoint_file, weights_mismatch
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest
 from torchyard.trainer.optim import CLIP_ALGORITHMS
 
 if TYPE_CHECKING:
     from torchyard.callbacks.base import Callback
     from torchyard.trainer.trainer import Trainer
+
+
+def constructor_parameters(
+    cls: type, argless_bases: tuple[type, ...]
+) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
+    """{name: (parameter, type hint)} an instance can be built with, following **kwargs up the MRO.
+
+    The second value is True when the class accepts any keyword: its **kwargs never reach a parent
+    that would check them (they stop at one of `argless_bases`, whose __init__ takes no user arguments).
+    """
+    found: dict[str, tuple[inspect.Parameter, Any]] = {}
+    followed_kwargs = False
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        if klass in argless_bases:
+            return found, followed_kwargs
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # an annotation that does not evaluate: skip type checks, keep the names
+            hints = {}
+        signature = inspect.signature(init)
+        for name, parameter in list(signature.parameters.items())[1:]:
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                found.setdefault(name, (parameter, hints.get(name)))
+        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+            return found, False
+        followed_kwargs = True
+    return found, True
 
 
 class AttributeDict(dict):
@@ -90,9 +123,6 @@ class BatchTransferHooks:
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a batch to `device`; the default moves the tensors in (nested) lists, tuples and dicts."""
-        # Imported here, not at the top: the strategies import this module.
-        from torchyard.trainer.strategies.base import move_to_device
-
         return move_to_device(batch, device, non_blocking=device.type == "cuda")
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -409,10 +439,7 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         As in Lightning, saved hparams that `__init__` does not take (set on `self.hparams` later, or a
         parent's) are left out; keyword overrides win over the saved values.
         """
-        from torchyard.trainer.checkpoint import load_checkpoint_file, weights_mismatch
-        from torchyard.trainer.recipe import init_parameters
-
-        parameters, takes_any = init_parameters(cls)
+        parameters, takes_any = constructor_parameters(cls, (object, nn.Module, TrainModule))
         for key in hparam_overrides:
             if not takes_any and key not in parameters:
                 raise MisconfigurationError(

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
+from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import TrainerConfig, save_run_config
 from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
@@ -54,8 +55,6 @@ def build_loggers(config: TrainerConfig, spec: Any) -> list[Logger]:
 
 def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> list[Callback]:
     """`callbacks` and those the options add (progress bar, summary, checkpointing, a Timer for max_time)."""
-    from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
-
     kinds = {type(c) for c in callbacks}
     # fast_dev_run turns checkpointing off itself; the checkpoint callbacks a user gives then save nothing.
     for option, kind in (("enable_progress_bar", RichProgressBar), ("enable_checkpointing", ModelCheckpoint)):
@@ -193,8 +192,6 @@ def callback_list(value: Any, must: str) -> list[Callback]:
 
 def _checkpointing_last(callbacks: list[Callback]) -> list[Callback]:
     """Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters)."""
-    from torchyard.callbacks import ModelCheckpoint
-
     return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
 
 

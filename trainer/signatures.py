@@ -13,7 +13,7 @@ from torch import nn
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.data import DataModule
 from torchyard.trainer.errors import MisconfigurationError, closest
-from torchyard.trainer.module import TrainModule
+from torchyard.trainer.module import TrainModule, constructor_parameters
 
 # __init__s that take no user arguments: **kwargs that would reach them are the subclass's own.
 _ARGLESS_BASES = (object, nn.Module, TrainModule, DataModule, Callback)
@@ -73,31 +73,8 @@ def check_init_args(where: str, cls: type, given: dict[str, Any]) -> dict[str, A
 
 
 def init_parameters(cls: type) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
-    """{name: (parameter, type hint)} an instance can be built with, following **kwargs up the MRO.
-
-    The second value is True when the class accepts any keyword: its **kwargs never reach a parent
-    that would check them (they stop at a base whose __init__ takes no user arguments).
-    """
-    found: dict[str, tuple[inspect.Parameter, Any]] = {}
-    followed_kwargs = False
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        if klass in _ARGLESS_BASES:
-            return found, followed_kwargs
-        try:
-            hints = typing.get_type_hints(init)
-        except Exception:  # an annotation that does not evaluate: skip type checks, keep the names
-            hints = {}
-        signature = inspect.signature(init)
-        for name, parameter in list(signature.parameters.items())[1:]:
-            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
-                found.setdefault(name, (parameter, hints.get(name)))
-        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-            return found, False
-        followed_kwargs = True
-    return found, True
+    """{name: (parameter, type hint)} an instance of `cls` can be built with; True when it takes any keyword."""
+    return constructor_parameters(cls, _ARGLESS_BASES)
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

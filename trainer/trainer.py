@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torchyard.callbacks import EarlyStopping, ModelCheckpoint
 from torchyard.callbacks.base import Callback
 from torchyard.trainer import faults
 from torchyard.trainer.batches import batch_limit
@@ -259,8 +260,6 @@ class Trainer:
 
     @property
     def early_stopping_callback(self) -> Any:
-        from torchyard.callbacks import EarlyStopping
-
         return next((c for c in self.callbacks if isinstance(c, EarlyStopping)), None)
 
     @property
@@ -277,8 +276,6 @@ class Trainer:
 
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
-        from torchyard.callbacks import ModelCheckpoint
-
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 
     @property

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.logging import _batch_value as batch_value
+from torchyard.trainer.logging import batch_value
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import needs_closure
 from torchyard.trainer.strategies import distributed
-from torchyard.trainer.strategies.base import move_to_device
 from torchyard.trainer.strategies.pipeline_split import (
     build_stage_modules,
     check_schedule,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, IterableDataset
 from torchyard.trainer import faults
-from torchyard.trainer.data import ResumableBatchSampler, _loader_kwargs, prepare_loader
+from torchyard.trainer.data import ResumableBatchSampler, loader_kwargs, prepare_loader
 from torchyard.trainer.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import distributed
@@ -330,7 +330,7 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         ordered = prepare_loader(loader, train=True, num_replicas=1, rank=0, seed=seed, pin_memory=pin)
         assert isinstance(ordered.batch_sampler, ResumableBatchSampler)
         return DataLoader(ordered.dataset, batch_sampler=ClaimedBatches(ordered.batch_sampler, self._claim_batch),
-                          **_loader_kwargs(ordered, pin))
+                          **loader_kwargs(ordered, pin))
 
     def _claim_batch(self, epoch: int, total: int) -> int | None:
         if total < self.world_size:
