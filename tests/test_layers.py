@@ -281,7 +281,9 @@ def test_the_function_local_checker_reports_an_unlisted_import():
 
 def test_the_function_local_checker_wants_a_comment_on_a_listed_import():
     bare = "def plot(args):\n    from torchyard.trainer.plot import plot_runs\n"
-    commented = "def plot(args):\n    # matplotlib: only this command needs it\n    from torchyard.trainer.plot import x\n"
+    commented = (
+        "def plot(args):\n    # matplotlib: only this command needs it\n    from torchyard.trainer.plot import x\n"
+    )
     assert check_source(f"{T}.cli", bare) == [
         f"{T}.cli:2: {T}.cli imports {T}.plot inside a function without a comment saying why "
         "(function-local import rule)"]

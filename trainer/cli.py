@@ -144,7 +144,9 @@ def run_stage(args: argparse.Namespace) -> int:
     if args.command == "fit":
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path)
     elif args.command == "predict":
-        _show_predictions(trainer.predict(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path), trainer)
+        _show_predictions(
+            trainer.predict(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path), trainer
+        )
     else:
         if recipe.ckpt_path is None:
             print(f"trainer {args.command}: note: no ckpt_path given; evaluating the model's initial weights.",

@@ -82,15 +82,22 @@ def batch_mover(strategy: Strategy, module: TrainModule, datamodule: DataModule 
     def move(batch: Any) -> Any:
         if before is not None:
             batch = before(batch, dataloader_idx)
-        batch = strategy.batch_to_device(batch) if transfer is None else transfer(batch, strategy.root_device, dataloader_idx)
+        batch = (
+            strategy.batch_to_device(batch)
+            if transfer is None
+            else transfer(batch, strategy.root_device, dataloader_idx)
+        )
         return batch if after is None else after(batch, dataloader_idx)
 
     return move
 
 
 def _transfer_hook(name: str, module: TrainModule, datamodule: DataModule | None) -> Callable[..., Any] | None:
-    hooks = [hook for hook in (overridden(datamodule, name, BatchTransferHooks), overridden(module, name, BatchTransferHooks))
-             if hook is not None]
+    hooks = [
+        hook
+        for hook in (overridden(datamodule, name, BatchTransferHooks), overridden(module, name, BatchTransferHooks))
+        if hook is not None
+    ]
     if len(hooks) == 2:
         warnings.warn(f"both {type(datamodule).__name__} and {type(module).__name__} define {name}; the datamodule's "
                       "is called, as in Lightning.", stacklevel=2)
@@ -263,8 +270,12 @@ def prepare_loader(
     elif num_replicas > 1:
         if isinstance(user_sampler, RandomSampler) and user_sampler.generator is None:
             # Each rank would draw its own order, and their slices would overlap: all draw the same one.
-            user_sampler = RandomSampler(loader.dataset, replacement=user_sampler.replacement,
-                                         num_samples=user_sampler._num_samples, generator=torch.Generator().manual_seed(seed))
+            user_sampler = RandomSampler(
+                loader.dataset,
+                replacement=user_sampler.replacement,
+                num_samples=user_sampler._num_samples,
+                generator=torch.Generator().manual_seed(seed),
+            )
         sampler = ShardedSampler(user_sampler, num_replicas, rank, padded=train)
     else:
         sampler = user_sampler
@@ -377,7 +388,12 @@ def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
     raise MisconfigurationError(f"{what} must be a DataLoader or a list of them, got {type(loaders).__name__}.")
 
 
-STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+STAGE_LOADERS = {
+    "fit": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
 _LOADER_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
@@ -386,15 +402,25 @@ def own_loader(module: TrainModule, name: str) -> Callable[[], Any] | None:
     return getattr(module, name) if callable(getattr(type(module), name, None)) else None
 
 
-def stage_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodule: DataModule | None,
-                  loaders: tuple[Any, ...], seed: int, datamodule_state: dict[str, Any] | None = None) -> list[DataLoader]:
+def stage_loaders(
+    strategy: Strategy,
+    stage: str,
+    module: TrainModule,
+    datamodule: DataModule | None,
+    loaders: tuple[Any, ...],
+    seed: int,
+    datamodule_state: dict[str, Any] | None = None,
+) -> list[DataLoader]:
     """The stage's data, in Lightning's order: prepare_data (once per node), the datamodule's setup, then the
     module's, then the loaders (for fit: training first, then validation) from `loaders`, else the datamodule,
     else the module's own hooks, each prepared for this rank by `strategy`. A checkpoint's `datamodule_state`
     is loaded after the datamodule's setup and before it builds the loaders, which may depend on it. Rank 0
     warns about workers that the node's processes start together beyond its cores."""
-    preparers = [owner.prepare_data for owner in (datamodule, module)
-                 if owner is not None and type(owner).prepare_data not in (DataModule.prepare_data, TrainModule.prepare_data)]
+    preparers = [
+        owner.prepare_data
+        for owner in (datamodule, module)
+        if owner is not None and type(owner).prepare_data not in (DataModule.prepare_data, TrainModule.prepare_data)
+    ]
     if preparers:  # every rank sees the same classes, so all of them wait here or none does
         for prepare_data in preparers if strategy.local_rank == 0 else ():
             prepare_data()

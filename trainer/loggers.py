@@ -198,7 +198,9 @@ class TensorBoardLogger(Logger):
         try:
             import tensorboard  # noqa: F401
         except ImportError as err:
-            raise MisconfigurationError("TensorBoardLogger needs tensorboard: pip install 'torchyard[tensorboard]'.") from err
+            raise MisconfigurationError(
+                "TensorBoardLogger needs tensorboard: pip install 'torchyard[tensorboard]'."
+            ) from err
         self._writer = None
 
     @property

@@ -79,8 +79,12 @@ def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list
     batch_size, ordered = batch_sampler.batch_size, batch_sampler.sampler.sampler
     tables = {rank: _rows(share) for rank, share in enumerate(shares) if share}
     # Rank r's slice holds the positions r, r + replicas, ...; of it, the first len(shares[r]) batches ran.
-    expected = {rank: min(len(shares[rank]) * batch_size, len(ShardedSampler(ordered, replicas, rank))) for rank in tables}
-    rows_per_sample = all(table is not None and table[0][0].shape[0] == expected[rank] for rank, table in tables.items())
+    expected = {
+        rank: min(len(shares[rank]) * batch_size, len(ShardedSampler(ordered, replicas, rank))) for rank in tables
+    }
+    rows_per_sample = all(
+        table is not None and table[0][0].shape[0] == expected[rank] for rank, table in tables.items()
+    )
     structures = [table[1] for table in tables.values() if table is not None]
     if not rows_per_sample or any(structure != structures[0] for structure in structures):
         warnings.warn(
@@ -95,7 +99,9 @@ def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list
     order = positions.argsort()
     columns = [table[0] for table in tables.values() if table is not None]
     leaves = [torch.cat([rank_columns[leaf] for rank_columns in columns])[order] for leaf in range(len(columns[0]))]
-    return [pytree.tree_unflatten(list(batch), structures[0]) for batch in zip(*(leaf.split(batch_size) for leaf in leaves))]
+    return [
+        pytree.tree_unflatten(list(batch), structures[0]) for batch in zip(*(leaf.split(batch_size) for leaf in leaves))
+    ]
 
 
 def _interleave_batches(shares: list[list[Any]]) -> list[Any]:

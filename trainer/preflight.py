@@ -112,7 +112,9 @@ def _check_manual_optimization(config: TrainerConfig, name: str) -> None:
         fixes.append(f"gradient_clip_val={config.gradient_clip_val} (clip in training_step before opt.step(), "
                      "e.g. torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))")
     if config.accumulate_grad_batches != 1:
-        fixes.append(f"accumulate_grad_batches={config.accumulate_grad_batches} (step every n batches in training_step)")
+        fixes.append(
+            f"accumulate_grad_batches={config.accumulate_grad_batches} (step every n batches in training_step)"
+        )
     if config.lr_warmup_steps:
         fixes.append(f"lr_warmup_steps={config.lr_warmup_steps} (set the optimizer's lr in training_step)")
     if fixes:
@@ -145,8 +147,9 @@ def _check_no_uncalled_lightning_hooks(module: TrainModule) -> None:
     if overridden:
         advice = "; ".join(f"{name}: {_UNCALLED_LIGHTNING_HOOKS[name]}" for name in overridden)
         raise MisconfigurationError(
-            f"{type(module).__name__} defines {', '.join(overridden)}, Lightning hook(s) this Trainer does not call, so "
-            f"they would silently do nothing. Instead: {advice}.")
+            f"{type(module).__name__} defines {', '.join(overridden)}, Lightning hook(s) this Trainer does not call, "
+            f"so they would silently do nothing. Instead: {advice}."
+        )
 
 
 def one_module(model: TrainModule | None, module: TrainModule | None) -> TrainModule | None:

@@ -23,14 +23,18 @@ def import_class(where: str, class_path: str, base: type) -> type:
     """The class `class_path` names, which must be a subclass of `base`."""
     module_name, _, name = class_path.rpartition(".")
     if not module_name:
-        raise MisconfigurationError(f"{where}.class_path={class_path!r} needs its module, e.g. 'torchyard.recipes.digits.DigitsCNN'.")
+        raise MisconfigurationError(
+            f"{where}.class_path={class_path!r} needs its module, e.g. 'torchyard.recipes.digits.DigitsCNN'."
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
             raise MisconfigurationError(f"{where}.class_path={class_path!r}: no module named {err.name!r}; "
                                         "check the spelling, or install the package that provides it.") from err
-        raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} failed: {err}.") from err
+        raise MisconfigurationError(
+            f"{where}.class_path={class_path!r}: importing {module_name!r} failed: {err}."
+        ) from err
     except Exception as err:  # the user's module raised while importing: show what, in one line
         raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} raised "
                                     f"{type(err).__name__}: {err}.") from err
@@ -53,8 +57,10 @@ def check_init_args(where: str, cls: type, given: dict[str, Any]) -> dict[str, A
         if name not in parameters:
             if takes_any:
                 continue
-            raise MisconfigurationError(f"{where}.init_args.{name}: {cls.__name__} does not take {name!r}"
-                                        f"{closest(name, parameters)}; it takes {', '.join(parameters) or 'no arguments'}.")
+            raise MisconfigurationError(
+                f"{where}.init_args.{name}: {cls.__name__} does not take {name!r}"
+                f"{closest(name, parameters)}; it takes {', '.join(parameters) or 'no arguments'}."
+            )
         hint = parameters[name][1]
         if hint is not None and not _type_ok(value, hint):
             raise MisconfigurationError(f"{where}.init_args.{name}={value!r}: {cls.__name__} expects "

@@ -210,8 +210,9 @@ class Strategy(ABC):
         """Refuse, before any process starts, a module this strategy cannot run `stage` ("fit", ...) with."""
         step = {"validate": "validation_step", "test": "test_step"}.get(stage)
         if step is not None and getattr(type(module), step) is getattr(TrainModule, step):
-            raise MisconfigurationError(f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); "
-                                        "it has none.")
+            raise MisconfigurationError(
+                f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); it has none."
+            )
 
     def serve(self) -> bool:
         """Run this rank's part when it is not the loop (a parameter server answering the workers) until the
@@ -241,8 +242,12 @@ class Strategy(ABC):
         # Where neither this strategy, the precision nor the module changes backward, each step calls the
         # loss's own: three calls fewer per step. One process only: with several, a backward stuck in the
         # gradient all-reduce is reported by the frame it waits in (faults.raise_if_collective_timeout).
-        self._plain_backward = (self.world_size == 1 and type(self).backward is Strategy.backward
-                                and self.precision.scaler is None and overridden(module, "backward", TrainModule) is None)
+        self._plain_backward = (
+            self.world_size == 1
+            and type(self).backward is Strategy.backward
+            and self.precision.scaler is None
+            and overridden(module, "backward", TrainModule) is None
+        )
 
     # ------------------------------------------------------------------ the steps (the per-step path)
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -299,7 +304,9 @@ class Strategy(ABC):
         else:
             torch.nn.utils.clip_grad_value_(params, value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> Any:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None
+    ) -> Any:
         """Apply the gradients (a parameter server pushes them instead); `closure` is for an optimizer that
         evaluates the loss itself (LBFGS). Returns what the optimizer's step returns."""
         return self.precision.step(optimizer, closure)
