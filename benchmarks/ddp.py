@@ -39,7 +39,9 @@ def make_net(hidden: int) -> nn.Module:
 
 def make_data(samples: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(samples, 256, generator=generator), torch.randint(0, 10, (samples,), generator=generator))
+    return TensorDataset(
+        torch.randn(samples, 256, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
 
 
 class Classifier(TrainModule):
@@ -147,7 +149,10 @@ def main() -> None:
     (hand, hand_cpu), (ours, ours_cpu), (one, one_cpu) = (
         (statistics.median(w for w, _ in t) * 1e3, statistics.median(c for _, c in t) * 1e3)
         for t in (times["hand"], times["trainer"], single))
-    print(f"model 256-{args.hidden}-{args.hidden}-10, batch {args.batch} per process, {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"model 256-{args.hidden}-{args.hidden}-10, batch {args.batch} per process, {args.rounds} rounds x "
+        f"{args.steps} steps"
+    )
     print("                                      wall ms/step   CPU ms/step (rank 0)")
     print(f"hand-written DDP loop (2 processes): {hand:10.3f}    {hand_cpu:10.3f}")
     print(f"Trainer(strategy='ddp', devices=2):  {ours:10.3f}    {ours_cpu:10.3f}")

@@ -61,7 +61,8 @@ simulated cache misses and mispredicted branches, and KCachegrind's rough cycle 
 counts are deterministic (thread pools and hash seeds pinned), so they show the framework's own work
 exactly where the timings above cannot.
 
-Run: python benchmarks/overhead.py [--valgrind] [--loop-only] [--repeats 7] [--epochs 3] [--steps-per-epoch 400] [--block 20] [--threads 1] [--floor-runs 15]
+Run: python benchmarks/overhead.py [--valgrind] [--loop-only] [--repeats 7] [--epochs 3] [--steps-per-epoch 400]
+     [--block 20] [--threads 1] [--floor-runs 15]
 """
 
 from __future__ import annotations
@@ -193,7 +194,11 @@ def hand_parts(data: TensorDataset) -> tuple[MLP, torch.optim.Optimizer, DataLoa
     """A hand-written side's model, optimizer and shuffled loader, seeded like the Trainer's module."""
     torch.manual_seed(0)
     model = MLP()
-    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), DataLoader(data, batch_size=BATCH, shuffle=True)
+    return (
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        DataLoader(data, batch_size=BATCH, shuffle=True),
+    )
 
 
 def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
@@ -398,7 +403,13 @@ def cachegrind_totals(side: str, steps: int, folder: Path) -> dict[str, int]:
     caches = [f"--{name}={spec}" for name, spec in CACHES.items()]
     # A BLAS thread pool spins a varying number of instructions, and hash seeds vary dict layouts: both pinned,
     # so that the counts repeat from run to run.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+    }
     subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes", *caches,
                     f"--cachegrind-out-file={out}", sys.executable, __file__, "--side", side, "--steps", str(steps),
                     "--folder", str(folder / f"{side}{steps}")], check=True, capture_output=True, env=env)
@@ -467,12 +478,18 @@ def report_blocks(block: int, trainer_runs: list[InterleavedHandSteps], aa_runs:
             steady.append(ours / hand)
             per_step.append((ours + our_epoch) / (hand + hand_epoch))
         bias = statistics.median(run.ratios()[clock] for run in aa_runs)
-        print(f"  {name:>4}: steady step ratio {statistics.median(steady):.3f} (runs {min(steady):.3f}..{max(steady):.3f}); "
-              f"epoch boundary +{hand_epoch * 1e6:.1f} us per step hand-written, +{our_epoch * 1e6:.1f} us Trainer; "
-              f"A/A ratio {bias:.3f}")
+        print(
+            f"  {name:>4}: steady step ratio {statistics.median(steady):.3f} (runs "
+            f"{min(steady):.3f}..{max(steady):.3f}); "
+            f"epoch boundary +{hand_epoch * 1e6:.1f} us per step hand-written, +{our_epoch * 1e6:.1f} us Trainer; "
+            f"A/A ratio {bias:.3f}"
+        )
         ratio = statistics.median(per_step)
-        print(f"  {name:>4}: ratio Trainer / hand-written per step: {ratio:.3f} (runs {min(per_step):.3f}..{max(per_step):.3f};"
-              f" target <= 1.03); without the method's bias {ratio / bias:.3f}")
+        print(
+            f"  {name:>4}: ratio Trainer / hand-written per step: {ratio:.3f} (runs "
+            f"{min(per_step):.3f}..{max(per_step):.3f};"
+            f" target <= 1.03); without the method's bias {ratio / bias:.3f}"
+        )
 
 
 def report(name: str, runs: list[Timing], clock: int) -> float:
@@ -495,9 +512,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--import-repeats", type=int, default=5)
     parser.add_argument("--floor-runs", type=int, default=15)
-    parser.add_argument("--loop-only", action="store_true",
-                        help="also measure the hand-written step run by the Trainer's loop (manual optimization, nothing "
-                             "logged or saved): how much of the steady ratio is not the Trainer's step")
+    parser.add_argument(
+        "--loop-only",
+        action="store_true",
+        help="also measure the hand-written step run by the Trainer's loop (manual optimization, nothing "
+        "logged or saved): how much of the steady ratio is not the Trainer's step",
+    )
     parser.add_argument("--valgrind", action="store_true",
                         help="only count instructions, cache misses and mispredicted branches per step under "
                              "valgrind's cachegrind (about 11 minutes)")
@@ -522,14 +542,21 @@ def main() -> None:
             runs["hand-written"].append(hand_written(data, args.epochs, Path(tmp) / f"hand{repeat}"))
             runs["Trainer"].append(with_trainer(data, args.epochs, Path(tmp) / f"trainer{repeat}"))
 
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s); MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, "
-          f"batch {BATCH}; {args.epochs} epochs x {args.steps_per_epoch} steps; {args.repeats} interleaved repeats")
+    print(
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s); MLP "
+        f"{FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, "
+        f"batch {BATCH}; {args.epochs} epochs x {args.steps_per_epoch} steps; {args.repeats} interleaved repeats"
+    )
     for clock, name in enumerate(CLOCKS):
         hand, trainer = report("hand-written", runs["hand-written"], clock), report("Trainer", runs["Trainer"], clock)
         # Each repeat ran its two sides back to back: their ratio leaves out the drift between repeats.
-        paired = [ours.per_step(clock) / mine.per_step(clock) for mine, ours in zip(runs["hand-written"], runs["Trainer"])]
-        print(f"ratio Trainer / hand-written per step ({name} time): {trainer / hand:.3f} (target <= 1.03); "
-              f"median of the repeats' own ratios {statistics.median(paired):.3f} ({min(paired):.3f}..{max(paired):.3f})")
+        paired = [
+            ours.per_step(clock) / mine.per_step(clock) for mine, ours in zip(runs["hand-written"], runs["Trainer"])
+        ]
+        print(
+            f"ratio Trainer / hand-written per step ({name} time): {trainer / hand:.3f} (target <= 1.03); "
+            f"median of the repeats' own ratios {statistics.median(paired):.3f} ({min(paired):.3f}..{max(paired):.3f})"
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         blocks, aa = [], []
@@ -542,8 +569,10 @@ def main() -> None:
                          for repeat in range(args.block_repeats)]
             for clock, name in enumerate(CLOCKS):
                 ratios = [run.ratios()[clock] for run in loop_only]
-                print(f"  {name:>4}: loop only (the hand-written step run by the Trainer's loop, nothing logged or "
-                      f"saved): steady step ratio {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
+                print(
+                    f"  {name:>4}: loop only (the hand-written step run by the Trainer's loop, nothing logged or "
+                    f"saved): steady step ratio {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
+                )
         framework_floor(args.floor_runs, 300, Path(tmp))
 
     torch_import = import_seconds("import torch", args.import_repeats)

@@ -78,11 +78,17 @@ def build_model(args: argparse.Namespace) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Sequential(nn.Linear(args.width, args.width), nn.GELU())
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.blocks))
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.blocks)
+            )
             self.head = nn.Linear(args.width, CLASSES)
 
         def units(self) -> list[tuple[str, nn.Module]]:
-            return [("embed", self.embed), *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)), ("head", self.head)]
+            return [
+                ("embed", self.embed),
+                *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+                ("head", self.head),
+            ]
 
         def pipeline_loss(self, output, batch):
             return F.cross_entropy(output, batch[1])
@@ -230,9 +236,12 @@ def report(args: argparse.Namespace, rows: list[tuple[str, float, float, float, 
         theory = (p - 1) / (m + p - 1) if v == 1 else (p - 1) / (v * m + p - 1)
         print(f"{schedule:<24}{hand * 1e3:>13.1f}{ours * 1e3:>16.1f}{ratio:>7.3f}{cpu_ratio:>10.3f}"
               f"{idle_hand:>11.1%}{idle_ours:>13.1%}{theory:>8.1%}")
-    print("ratio: trainer / hand wall time per step, median over the adjacent run pairs; target <= 1.05. cpu ratio: CPU seconds per step summed "
-          "over the ranks (insensitive to other processes on the machine).\ntheory: (p-1)/(m+p-1) for gpipe/1f1b; "
-          "(p-1)/(v*m+p-1) with v=2 chunks per rank for the others (zero-bubble schedules aim below it).")
+    print(
+        "ratio: trainer / hand wall time per step, median over the adjacent run pairs; target <= 1.05. cpu ratio: CPU "
+        "seconds per step summed "
+        "over the ranks (insensitive to other processes on the machine).\ntheory: (p-1)/(m+p-1) for gpipe/1f1b; "
+        "(p-1)/(v*m+p-1) with v=2 chunks per rank for the others (zero-bubble schedules aim below it)."
+    )
 
 
 def main() -> None:

@@ -100,7 +100,10 @@ def main() -> None:
             results[label] = next(o for o in outcomes if o["seconds"] == median)
             print(f"  {label}: {median:.1f} s", flush=True)
     base = samples / results["ddp"]["seconds"]
-    print("\n| run | processes | train phase (s) | samples/s | vs ddp | batches fast / slow worker | stale gradients dropped | val acc |")
+    print(
+        "\n| run | processes | train phase (s) | samples/s | vs ddp | batches fast / slow worker | stale gradients "
+        "dropped | val acc |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, _, processes, claims in RUNS:
         outcome = results[label]

@@ -9,4 +9,13 @@ from torchyard.callbacks.progress import RichProgressBar
 from torchyard.callbacks.summary import ModelSummary
 from torchyard.callbacks.timer import Timer
 
-__all__ = ["BasePredictionWriter", "Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary", "RichProgressBar", "Timer"]
+__all__ = [
+    "BasePredictionWriter",
+    "Callback",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "ModelSummary",
+    "RichProgressBar",
+    "Timer",
+]

@@ -88,7 +88,9 @@ class Timer(Callback):
     def on_test_end(self, trainer: Trainer, module: TrainModule) -> None:
         self._finish("test")
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.interval == "step":
             self._check(trainer)
 

@@ -88,7 +88,8 @@ class DigitsData(DataModule):
             from sklearn.datasets import load_digits  # scikit-learn ships the images: nothing to download
         except ImportError:
             raise MisconfigurationError(
-                "the digits recipes need scikit-learn, which ships their images: pip install 'torchyard[recipes]'.") from None
+                "the digits recipes need scikit-learn, which ships their images: pip install 'torchyard[recipes]'."
+            ) from None
 
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16

@@ -180,8 +180,11 @@ def test_train_time_interval_saves_after_the_first_step_that_ends_the_interval(t
     checkpoint = ModelCheckpoint(train_time_interval=interval, save_top_k=-1, filename="{step}", save_last=True)
     trainer = make_trainer(tmp_path, [checkpoint], max_epochs=5, accumulate_grad_batches=2)
     trainer.fit(Scripted(), *loaders(batch_size=2))  # 8 micro-batches, 4 steps per epoch: 20 steps
-    assert checkpoint_names(checkpoint.dirpath) == {f"step={step}.ckpt" for step in (3, 6, 9, 12, 15, 18)} | {"last.ckpt"}
-    assert load(checkpoint.last_model_path)["loops"]["progress"]["global_step"] == 20  # every epoch end, as in Lightning
+    assert checkpoint_names(checkpoint.dirpath) == {f"step={step}.ckpt" for step in (3, 6, 9, 12, 15, 18)} | {
+        "last.ckpt"
+    }
+    # every epoch end, as in Lightning
+    assert load(checkpoint.last_model_path)["loops"]["progress"]["global_step"] == 20
     for step in (3, 6):
         progress = load(Path(checkpoint.dirpath) / f"step={step}.ckpt")["loops"]["progress"]
         assert (progress["global_step"], progress["epoch_batches"]) == (step, 2 * step % 8)  # at a step boundary
@@ -313,7 +316,9 @@ def test_name_collisions_get_version_suffixes(tmp_path):
 
 
 def test_without_version_counter_a_taken_name_is_overwritten(tmp_path):
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="fixed", save_top_k=-1, enable_version_counter=False)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts", filename="fixed", save_top_k=-1, enable_version_counter=False
+    )
     module = Scripted()
     make_trainer(tmp_path, [checkpoint], max_epochs=3).fit(module, *loaders())
     assert checkpoint_names(tmp_path / "ckpts") == {"fixed.ckpt"}
@@ -341,7 +346,9 @@ def test_weights_only_checkpoints_evaluate_and_load_but_do_not_resume(tmp_path):
     evaluated = Scripted([0.0] * 4)
     trainer.validate(evaluated, loaders()[1], ckpt_path="last")  # "last" finds weights-only files for evaluation
     assert torch.equal(evaluated.layer.weight, last["state_dict"]["layer.weight"])
-    assert torch.equal(Scripted.load_from_checkpoint(checkpoint.last_model_path).layer.weight, last["state_dict"]["layer.weight"])
+    assert torch.equal(
+        Scripted.load_from_checkpoint(checkpoint.last_model_path).layer.weight, last["state_dict"]["layer.weight"]
+    )
 
     with pytest.raises(CheckpointError, match="holds only the model's weights .* a fit cannot resume from it"):
         make_trainer(tmp_path, max_epochs=4).fit(Scripted([0.3] * 4), *loaders(), ckpt_path=checkpoint.last_model_path)
@@ -362,7 +369,11 @@ def test_two_checkpoint_callbacks_on_one_monitor_keep_their_own_files_across_a_r
     names = checkpoint_names(second[0].dirpath)
     assert names == {"best-epoch=4.ckpt", "top3-epoch=2.ckpt", "top3-epoch=3.ckpt", "top3-epoch=4.ckpt", "last.ckpt"}
     assert [Path(p).name for p in second[0].best_k_models] == ["best-epoch=4.ckpt"]
-    assert sorted(Path(p).name for p in second[1].best_k_models) == ["top3-epoch=2.ckpt", "top3-epoch=3.ckpt", "top3-epoch=4.ckpt"]
+    assert sorted(Path(p).name for p in second[1].best_k_models) == [
+        "top3-epoch=2.ckpt",
+        "top3-epoch=3.ckpt",
+        "top3-epoch=4.ckpt",
+    ]
 
 
 def test_a_checkpoint_from_before_the_filename_joined_the_state_key_still_restores_its_state(tmp_path):
@@ -375,7 +386,9 @@ def test_a_checkpoint_from_before_the_filename_joined_the_state_key_still_restor
     saved["callbacks"] = {first.legacy_state_key: saved["callbacks"][first.state_key]}  # the old layout
     torch.save(saved, tmp_path / "old.ckpt")
     second = callback()
-    make_trainer(tmp_path, [second], max_epochs=4).fit(Scripted([0.5, 0.4, 0.3, 0.2]), *loaders(), ckpt_path=tmp_path / "old.ckpt")
+    make_trainer(tmp_path, [second], max_epochs=4).fit(
+        Scripted([0.5, 0.4, 0.3, 0.2]), *loaders(), ckpt_path=tmp_path / "old.ckpt"
+    )
     assert sorted(Path(p).name for p in second.best_k_models) == ["best-epoch=2.ckpt", "best-epoch=3.ckpt"]
 
     class Counter(Callback):
@@ -395,7 +408,9 @@ def test_callbacks_whose_states_would_share_a_checkpoint_entry_are_refused():
         def state_dict(self):
             return {"batches": self.batches}
 
-    with pytest.raises(MisconfigurationError, match="two Counter callbacks have the same state_key '.*Counter'.*override state_key"):
+    with pytest.raises(
+        MisconfigurationError, match="two Counter callbacks have the same state_key '.*Counter'.*override state_key"
+    ):
         Trainer(callbacks=[Counter(), Counter()], logger=False)
     with pytest.raises(MisconfigurationError, match="two ModelCheckpoint callbacks have the same state_key"):
         Trainer(callbacks=[ModelCheckpoint(monitor="a", save_top_k=1), ModelCheckpoint(monitor="a", save_top_k=3)])
@@ -409,9 +424,15 @@ def test_format_checkpoint_name():
     # As in Lightning, a metric not logged yet is 0; a count logged as a float takes an integer format.
     counted = ModelCheckpoint(filename="{epoch}-{n_correct:03d}-{val/acc:.2f}")
     assert counted.format_checkpoint_name({"epoch": 1}) == "epoch=1-n_correct=000-val_acc=0.00.ckpt"
-    assert counted.format_checkpoint_name({"epoch": 1, "n_correct": 7.0, "val/acc": 0.5}) == "epoch=1-n_correct=007-val_acc=0.50.ckpt"
-    with pytest.raises(MisconfigurationError, match=r"filename='\{epoch\}-\{n_correct:03d\}-\{val/acc:.2f\}'\): n_correct=7.5 "
-                                                    r"cannot be formatted as '03d'"):
+    assert (
+        counted.format_checkpoint_name({"epoch": 1, "n_correct": 7.0, "val/acc": 0.5})
+        == "epoch=1-n_correct=007-val_acc=0.50.ckpt"
+    )
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"filename='\{epoch\}-\{n_correct:03d\}-\{val/acc:.2f\}'\): n_correct=7.5 "
+        r"cannot be formatted as '03d'",
+    ):
         counted.format_checkpoint_name({"epoch": 1, "n_correct": 7.5})
     assert checkpoint.format_checkpoint_name(values, "epoch={epoch}-step={step}") == "epoch=3-step=7.ckpt"
     assert ModelCheckpoint(auto_insert_metric_name=False).format_checkpoint_name(values) == "3-7.ckpt"
@@ -426,7 +447,9 @@ def test_missing_monitor_names_the_key_and_the_logged_keys(tmp_path):
 
     # With save_last the epoch's work is in last.ckpt before the error stops the run.
     checkpoint = ModelCheckpoint(monitor="val_acc", save_last=True)
-    with pytest.raises(MisconfigurationError, match=r"found no such logged metric.*The run so far is saved in .*last\.ckpt"):
+    with pytest.raises(
+        MisconfigurationError, match=r"found no such logged metric.*The run so far is saved in .*last\.ckpt"
+    ):
         make_trainer(tmp_path, [checkpoint], max_epochs=2).fit(Scripted([0.5, 0.5]), *loaders())
     assert load(checkpoint.last_model_path)["loops"]["progress"]["global_step"] == 4
 
@@ -827,7 +850,9 @@ def test_progress_bar_takes_lightnings_arguments_with_lightnings_meaning(tmp_pat
     def frames(bar_options, epochs=2):
         console = Console(file=io.StringIO(), force_terminal=True, width=160)
         bar = RichProgressBar(refresh_interval=0, console=console, **bar_options)
-        make_trainer(tmp_path, [bar], max_epochs=epochs).fit(Scripted([0.1] * epochs), *loaders(samples=32, batch_size=4))
+        make_trainer(tmp_path, [bar], max_epochs=epochs).fit(
+            Scripted([0.1] * epochs), *loaders(samples=32, batch_size=4)
+        )
         return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", console.file.getvalue())
 
     counts = set(re.findall(r" (\d)/8 ", frames({"refresh_rate": 3}, epochs=1)))
@@ -847,7 +872,9 @@ def test_progress_bar_takes_lightnings_arguments_with_lightnings_meaning(tmp_pat
         shown = Shown(bar)
         make_trainer(tmp_path, [shown, bar], max_epochs=3).fit(Scripted([0.1] * 3), *loaders())
         assert shown.rows == bars  # with leave, each finished epoch's bar stays above the next one
-    with pytest.raises(MisconfigurationError, match=r"refresh_rate=0.5\) must be a number of batches >= 0 \(0 hides the bar\)"):
+    with pytest.raises(
+        MisconfigurationError, match=r"refresh_rate=0.5\) must be a number of batches >= 0 \(0 hides the bar\)"
+    ):
         RichProgressBar(refresh_rate=0.5)
     wide = RichProgressBar(console_kwargs={"width": 77})
     wide.setup(SimpleNamespace(is_global_zero=True), None, "fit")
@@ -903,17 +930,34 @@ def test_a_prediction_writer_gets_each_batch_with_the_dataset_indices_its_sample
                       enable_model_summary=False, default_root_dir=str(tmp_path))
     assert trainer.predict(Echo(), [shuffled, in_order], return_predictions=False) is None  # kept by nobody
 
-    assert [(batch_idx, loader) for _, _, batch_idx, loader in writer.batches] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
+    assert [(batch_idx, loader) for _, _, batch_idx, loader in writer.batches] == [
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (3, 1),
+    ]
     drawn = [indices for _, indices, _, loader in writer.batches if loader == 0]
     assert sorted(i for indices in drawn for i in indices) == list(range(10)) and drawn[0] != [0, 1, 2, 3]
     for prediction, indices, _, _ in writer.batches:  # each row is the sample its index names
         assert torch.equal(prediction, data.tensors[0][indices])
-    assert [indices for _, indices, _, loader in writer.batches if loader == 1] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert [indices for _, indices, _, loader in writer.batches if loader == 1] == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7, 8],
+        [9],
+    ]
     (predictions, batch_indices), = writer.epochs  # per loader, as written batch by batch
     assert batch_indices == [drawn, [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]]
-    assert all(torch.equal(a, b) for a, b in zip(predictions[0], [p for p, _, _, loader in writer.batches if loader == 0]))
+    assert all(
+        torch.equal(a, b) for a, b in zip(predictions[0], [p for p, _, _, loader in writer.batches if loader == 0])
+    )
 
     returned = trainer.predict(Echo(), in_order)  # return_predictions defaults to True
     assert torch.equal(torch.cat(returned), data.tensors[0])
-    with pytest.raises(MisconfigurationError, match=r"KeepingWriter\(write_interval='step'\) is not known; use one of batch, epoch"):
+    with pytest.raises(
+        MisconfigurationError, match=r"KeepingWriter\(write_interval='step'\) is not known; use one of batch, epoch"
+    ):
         KeepingWriter("step")

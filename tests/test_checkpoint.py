@@ -105,7 +105,9 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
     whole = load_checkpoint_file(ckpt)
     saved = whole["loops"]["progress"]
     assert (saved["epoch"], saved["global_step"], saved["epoch_batches"]) == (1, 4, 2)
-    assert (whole["epoch"], whole["global_step"]) == (1, 4) and whole["hyper_parameters"] == whole["hparams"]  # Lightning's
+    assert (whole["epoch"], whole["global_step"]) == (1, 4) and whole["hyper_parameters"] == whole[
+        "hparams"
+    ]  # Lightning's
 
     resumed = fit(tmp_path / "crashed", ckpt_path=ckpt, accumulate_grad_batches=2)
     assert resumed.trainer.global_step == full.trainer.global_step == 9
@@ -269,8 +271,13 @@ def test_a_stale_last_ckpt_gives_way_to_newer_files_trained_further(tmp_path):
     from torchyard.callbacks import ModelCheckpoint
     from torchyard.trainer.resume import ranked_checkpoints
 
-    trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=2, logger=False, **{**QUIET, "enable_checkpointing": True},
-                      callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
+    trainer = Trainer(
+        default_root_dir=str(tmp_path),
+        max_epochs=2,
+        logger=False,
+        **{**QUIET, "enable_checkpointing": True},
+        callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)],
+    )
     trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
     folder = Path(trainer.checkpoint_callback.dirpath)
     # As a SIGTERM leaves it when the files written after the resume that followed do not update it.
@@ -307,7 +314,9 @@ def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
 def test_fit_from_last_with_nothing_saved_starts_afresh_and_says_so(tmp_path):
     counted = BatchCount()
     trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[counted], log_every_n_steps=1, **QUIET)
-    with pytest.warns(UserWarning, match='ckpt_path="last": no checkpoint matches .*, so this fit starts from the beginning'):
+    with pytest.warns(
+        UserWarning, match='ckpt_path="last": no checkpoint matches .*, so this fit starts from the beginning'
+    ):
         trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8), ckpt_path="last")
     assert counted.batches == 5
     with pytest.raises(MisconfigurationError, match='ckpt_path="last": no checkpoint matches'):
@@ -324,7 +333,9 @@ def test_a_mid_epoch_checkpoint_of_a_loader_that_cannot_skip_resumes_by_running_
 
     def run(callbacks, **options):
         torch.manual_seed(0)
-        trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=2, logger=False, callbacks=callbacks, **QUIET, **options)
+        trainer = Trainer(
+            default_root_dir=str(tmp_path), max_epochs=2, logger=False, callbacks=callbacks, **QUIET, **options
+        )
         trainer.fit(DropoutRegressor(), DataLoader(Stream(), batch_size=4))
         return trainer
 
@@ -389,11 +400,14 @@ def test_load_from_checkpoint_rebuilds_from_hparams_and_weights(tmp_path):
 
 def test_a_checkpoint_that_does_not_fit_the_model_says_what_differs_in_one_line(tmp_path):
     trained_checkpoint(tmp_path / "h12.ckpt")  # hidden=12
-    differs = (r"other shapes: net.0.weight \[12, 6\] in the checkpoint, \[16, 6\] in the model, net.0.bias \[12\] "
-               r"in the checkpoint, \[16\] in the model, net.3.weight \[1, 12\] in the checkpoint, \[1, 16\] in the model")
+    differs = (
+        r"other shapes: net.0.weight \[12, 6\] in the checkpoint, \[16, 6\] in the model, net.0.bias \[12\] "
+        r"in the checkpoint, \[16\] in the model, net.3.weight \[1, 12\] in the checkpoint, \[1, 16\] in the model"
+    )
     with pytest.raises(CheckpointError, match=r"the checkpoint's weights do not fit DropoutRegressor: " + differs):
-        Trainer(max_epochs=2, logger=False, **QUIET).fit(DropoutRegressor(hidden=16), DataLoader(regression_data(), batch_size=8),
-                                                         ckpt_path=tmp_path / "h12.ckpt")
+        Trainer(max_epochs=2, logger=False, **QUIET).fit(
+            DropoutRegressor(hidden=16), DataLoader(regression_data(), batch_size=8), ckpt_path=tmp_path / "h12.ckpt"
+        )
     with pytest.raises(CheckpointError, match=r"does not fit DropoutRegressor: " + differs):
         DropoutRegressor.load_from_checkpoint(tmp_path / "h12.ckpt", hidden=16)
 
@@ -468,7 +482,11 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
     assert (tmp_path / "control").exists()
 
     torch.save({"state_dict": {}, "payload": Planted(tmp_path / "marker")}, path)
-    with pytest.raises(CheckpointError, match=r"planted.ckpt.*refused \(WeightsUnpickler error: Unsupported global: GLOBAL io.open was not an allowed global by default\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"planted.ckpt.*refused \(WeightsUnpickler error: Unsupported global: "
+        r"GLOBAL io.open was not an allowed global by default\)",
+    ):
         load_checkpoint_file(path)
     with pytest.raises(CheckpointError, match="refused"):
         DropoutRegressor.load_from_checkpoint(path)
@@ -494,8 +512,11 @@ def test_state_a_checkpoint_could_not_be_loaded_from_is_refused_when_saving(tmp_
     for value, kind in ((np.float64(0.5), "numpy.float64"), (collections.deque([1]), "collections.deque")):
         trainer = Trainer(default_root_dir=str(tmp_path), max_epochs=1, callbacks=[BestSoFar(value)],
                           log_every_n_steps=1, **{**QUIET, "enable_checkpointing": True})
-        with pytest.raises(MisconfigurationError, match=rf"the checkpoint's callbacks\['.*BestSoFar'\]\['history'\]\[1\]"
-                                                        rf"\['best'\] is a {kind}, which checkpoints cannot hold"):
+        with pytest.raises(
+            MisconfigurationError,
+            match=rf"the checkpoint's callbacks\['.*BestSoFar'\]\['history'\]\[1\]"
+            rf"\['best'\] is a {kind}, which checkpoints cannot hold",
+        ):
             trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
         assert not list(tmp_path.rglob("*.ckpt"))
     from torchyard.trainer.checkpoint import unloadable
@@ -524,11 +545,15 @@ def test_checkpoints_a_fit_cannot_resume_from_say_why_before_training(tmp_path):
         return str(error.value)
 
     message = resume(WithSGD(hidden=12, lr=0.02), tmp_path / "adam.ckpt")
-    assert message.startswith("the checkpoint's optimizer 0 has no dampening, momentum, which configure_optimizers' SGD needs")
+    assert message.startswith(
+        "the checkpoint's optimizer 0 has no dampening, momentum, which configure_optimizers' SGD needs"
+    )
     whole = load_checkpoint_file(tmp_path / "adam.ckpt")
     for layout in ({k: v for k, v in whole.items() if k != "loops"}, {**whole, "loops": {"fit_loop": {}}}):
         torch.save(layout, tmp_path / "foreign.ckpt")
-        assert "no training position in this framework's layout (loops.progress)" in resume(DropoutRegressor(hidden=12, lr=0.02), tmp_path / "foreign.ckpt")
+        assert "no training position in this framework's layout (loops.progress)" in resume(
+            DropoutRegressor(hidden=12, lr=0.02), tmp_path / "foreign.ckpt"
+        )
     with pytest.raises(CheckpointError, match="is a folder; give a checkpoint file in it"):
         DropoutRegressor.load_from_checkpoint(tmp_path)
 
@@ -548,7 +573,16 @@ def test_truncated_checkpoint_names_the_file(tmp_path):
 def test_checkpoint_is_weights_only_loadable(tmp_path):
     trained_checkpoint(tmp_path / "a.ckpt")
     checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=True)
-    assert {"version", "state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "rng", "hparams"} <= set(checkpoint)
+    assert {
+        "version",
+        "state_dict",
+        "optimizer_states",
+        "lr_schedulers",
+        "loops",
+        "callbacks",
+        "rng",
+        "hparams",
+    } <= set(checkpoint)
     assert checkpoint["hparams"] == {"hidden": 12, "lr": 0.02}
     assert checkpoint["loops"]["progress"]["global_step"] == 5
 
@@ -634,7 +668,9 @@ def test_load_from_checkpoint_passes_only_the_hparams_init_takes(tmp_path):
     loaded = Forwarding.load_from_checkpoint(tmp_path / "forwarding.ckpt")
     assert loaded.layer.out_features == 7
     # Overrides win over the saved values.
-    with pytest.raises(CheckpointError, match=r"does not fit Forwarding: other shapes: layer.weight \[7, 6\] in the checkpoint"):
+    with pytest.raises(
+        CheckpointError, match=r"does not fit Forwarding: other shapes: layer.weight \[7, 6\] in the checkpoint"
+    ):
         Forwarding.load_from_checkpoint(tmp_path / "forwarding.ckpt", width=8)
 
     # An __init__ that takes any keyword gets every saved key.
@@ -642,7 +678,9 @@ def test_load_from_checkpoint_passes_only_the_hparams_init_takes(tmp_path):
     save_plain_checkpoint(tmp_path / "swallowing.ckpt", swallowing)
     assert Swallowing.load_from_checkpoint(tmp_path / "swallowing.ckpt", b=3).seen == {"a": 1, "b": 3}
 
-    with pytest.raises(MisconfigurationError, match=r"Child does not take 'dept' \(did you mean 'depth'\?\); it takes depth"):
+    with pytest.raises(
+        MisconfigurationError, match=r"Child does not take 'dept' \(did you mean 'depth'\?\); it takes depth"
+    ):
         Child.load_from_checkpoint(tmp_path / "child.ckpt", dept=3)
 
 
@@ -659,8 +697,11 @@ def test_hparams_that_are_not_plain_warn_once_and_must_be_passed_again(tmp_path)
     torch.manual_seed(0)
     module = Activated(hidden=5, act=nn.Tanh())
     trainer = Trainer(max_epochs=1, logger=False, **QUIET)
-    with pytest.warns(UserWarning, match=r"hparams\['act'\] holds Tanh.*repr 'Tanh\(\)'.*"
-                                         r"Activated.load_from_checkpoint\(path, act=...\).*ignore=\['act'\]") as caught:
+    with pytest.warns(
+        UserWarning,
+        match=r"hparams\['act'\] holds Tanh.*repr 'Tanh\(\)'.*"
+        r"Activated.load_from_checkpoint\(path, act=...\).*ignore=\['act'\]",
+    ) as caught:
         trainer.fit(module, DataLoader(regression_data(), batch_size=8))
         trainer.save_checkpoint(tmp_path / "a.ckpt")
         trainer.save_checkpoint(tmp_path / "b.ckpt")

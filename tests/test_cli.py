@@ -84,11 +84,20 @@ BAD_INPUTS = [
     (["good.yaml", "trainer.max_epochs=-2"], "max_epochs=-2 must be an integer >= -1"),
     (["good.yaml", "trainer.precision=8"], "precision='8' is not known; use one of 32, bf16-mixed, 16-mixed"),
     (["good.yaml", "trainer.strategy=nosuch"], "strategy='nosuch' is not known"),
-    (["good.yaml", "model.class_path=torchyard.recipes.digitz.DigitsCNN"], "no module named 'torchyard.recipes.digitz'"),
-    (["good.yaml", "model.class_path=torchyard.recipes.digits.DigitCNN"], "has no 'DigitCNN' (did you mean 'DigitsCNN'?)"),
+    (
+        ["good.yaml", "model.class_path=torchyard.recipes.digitz.DigitsCNN"],
+        "no module named 'torchyard.recipes.digitz'",
+    ),
+    (
+        ["good.yaml", "model.class_path=torchyard.recipes.digits.DigitCNN"],
+        "has no 'DigitCNN' (did you mean 'DigitsCNN'?)",
+    ),
     (["good.yaml", "model.class_path=torch.nn.Linear"], "is class torch.nn.modules.linear.Linear, not a TrainModule"),
     (["good.yaml", "data.class_path=torchyard.recipes.digits.DigitsCNN"], "not a DataModule subclass"),
-    (["good.yaml", "callbacks=[{class_path: torchyard.recipes.digits.DigitsData}]"], "callbacks.0.class_path='torchyard.recipes.digits.DigitsData' is class"),
+    (
+        ["good.yaml", "callbacks=[{class_path: torchyard.recipes.digits.DigitsData}]"],
+        "callbacks.0.class_path='torchyard.recipes.digits.DigitsData' is class",
+    ),
     (["good.yaml", "model.init_args.lrr=0.1"], "DigitsCNN does not take 'lrr' (did you mean 'lr'?)"),
     (["good.yaml", "model.init_args.channels=wide"], "model.init_args.channels='wide': DigitsCNN expects int, got str"),
     (["good.yaml", "callbacks.0.init_args.monitr=val/loss"], "does not take 'monitr' (did you mean 'monitor'?)"),
@@ -101,14 +110,22 @@ BAD_INPUTS = [
     (["good.yaml", "trainer=3"], "override 'trainer=3': 'trainer' must be a mapping of trainer options"),
     (["utf16.yaml"], "utf16.yaml: not UTF-8 text (invalid start byte at byte 0); save it as UTF-8"),
     (["folder.yaml"], "recipe file 'folder.yaml' is a folder; give a YAML file"),
-    (["good.yaml", "callbacks.0.init_args.filename={epoch}-{val/acc:.3f}"],
-     "the value is not valid YAML (did not find expected <document start> in \"<unicode string>\", line 1, column 8); "
-     "quote it: callbacks.0.init_args.filename=\"'{epoch}-{val/acc:.3f}'\""),
-    (["good.yaml", "callbacks.4.init_args.monitor=x"], "the recipe has 1 callback(s) (callbacks.0 to callbacks.0); an "
-     "override changes an entry, a new callback goes in a recipe file's callbacks list"),
+    (
+        ["good.yaml", "callbacks.0.init_args.filename={epoch}-{val/acc:.3f}"],
+        'the value is not valid YAML (did not find expected <document start> in "<unicode string>", line 1, column 8); '
+        "quote it: callbacks.0.init_args.filename=\"'{epoch}-{val/acc:.3f}'\"",
+    ),
+    (
+        ["good.yaml", "callbacks.4.init_args.monitor=x"],
+        "the recipe has 1 callback(s) (callbacks.0 to callbacks.0); an "
+        "override changes an entry, a new callback goes in a recipe file's callbacks list",
+    ),
     (["good.yaml", "trainer.max_time=1:30"], "max_time='1:30': a string must read 'DD:HH:MM:SS'"),  # not YAML's 90
-    (["good.yaml", "trainer.strategy={name: ps, stalenes: 4}"],
-     "strategy 'ps' has no option 'stalenes' (did you mean 'staleness', 'stale_gradients'?); its options: ps_servers,"),
+    (
+        ["good.yaml", "trainer.strategy={name: ps, stalenes: 4}"],
+        "strategy 'ps' has no option 'stalenes' (did you mean 'staleness', 'stale_gradients'?); its options: "
+        "ps_servers,",
+    ),
 ]
 
 
@@ -206,7 +223,9 @@ def test_python_dash_m_prints_the_resolved_config(recipes_here):
 
 
 def test_files_merge_left_to_right_then_overrides(recipes_here):
-    (recipes_here / "small.yaml").write_text("trainer: {max_epochs: 2, name: small}\nmodel: {init_args: {channels: 8}}\n")
+    (recipes_here / "small.yaml").write_text(
+        "trainer: {max_epochs: 2, name: small}\nmodel: {init_args: {channels: 8}}\n"
+    )
     recipe = load_recipe(["good.yaml", "small.yaml", "model.init_args.channels=4", "trainer.name=last"])
     assert recipe.trainer.max_epochs == 2 and recipe.trainer.limit_train_batches == 2
     assert recipe.trainer.name == "last"
@@ -222,7 +241,9 @@ def test_interpolation_and_environment(recipes_here, monkeypatch):
     )
     with pytest.raises(MisconfigurationError, match="max_epochs='3' must be an integer"):
         load_recipe(["good.yaml", "interp.yaml"])  # oc.env gives strings ...
-    recipe = load_recipe(["good.yaml", "interp.yaml", "trainer.max_epochs=${oc.decode:${oc.env:TRAINER_TEST_EPOCHS,3}}"])
+    recipe = load_recipe(
+        ["good.yaml", "interp.yaml", "trainer.max_epochs=${oc.decode:${oc.env:TRAINER_TEST_EPOCHS,3}}"]
+    )
     assert recipe.trainer.max_epochs == 3  # ... oc.decode parses them
     monkeypatch.setenv("TRAINER_TEST_EPOCHS", "5")
     recipe = load_recipe(["good.yaml", "interp.yaml", "trainer.max_epochs=${oc.decode:${oc.env:TRAINER_TEST_EPOCHS}}",
@@ -239,7 +260,9 @@ def test_new_class_path_drops_the_old_init_args(recipes_here):
 
 def test_a_strategy_of_another_name_drops_the_old_strategys_options():
     recipes = REPO / "recipes"
-    recipe = load_recipe([str(recipes / "charlm.yaml"), str(recipes / "charlm_pipeline.yaml"), "trainer.strategy.name=ddp"])
+    recipe = load_recipe(
+        [str(recipes / "charlm.yaml"), str(recipes / "charlm_pipeline.yaml"), "trainer.strategy.name=ddp"]
+    )
     assert recipe.trainer.strategy == {"name": "ddp"}  # the pipeline's stages, microbatches, ... are gone
     recipe = load_recipe([DIGITS, str(recipes / "digits_ps.yaml"), str(recipes / "digits_ddp.yaml")])
     assert recipe.trainer.strategy == {"name": "ddp", "find_unused_parameters": False}
@@ -305,7 +328,9 @@ def test_reference_lists_every_option_and_the_readme_matches():
         assert f"| `{name}` |" in table
     assert "| `max_steps` | int | `-1` |" in table
     readme = (REPO / "README.md").read_text()
-    assert readme_reference(readme) == table, "README table is stale: run `trainer config --reference --readme README.md`"
+    assert readme_reference(readme) == table, (
+        "README table is stale: run `trainer config --reference --readme README.md`"
+    )
 
 
 def test_reference_command_rewrites_a_stale_readme(tmp_path, capsys):

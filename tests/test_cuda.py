@@ -139,7 +139,9 @@ def test_a_cuda_checkpoint_loads_on_cpu_and_resumes_there(tmp_path):
 
 def test_ddp_with_nccl_on_one_gpu_trains_like_one_device(tmp_path):
     module = Net()
-    trainer = Trainer(strategy="ddp", devices=1, accelerator="cuda", max_epochs=2, default_root_dir=str(tmp_path), **QUIET)
+    trainer = Trainer(
+        strategy="ddp", devices=1, accelerator="cuda", max_epochs=2, default_root_dir=str(tmp_path), **QUIET
+    )
     trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
     assert trainer.strategy.backend == "nccl"
     assert module.batch_devices == {"cuda:0"}
@@ -155,7 +157,9 @@ def test_ddp_asking_for_more_gpus_than_the_machine_has_is_refused_before_startin
 def test_dp_on_one_gpu_warns_and_trains_on_it(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(strategy="dp", devices=2, accelerator="cuda", max_epochs=2, default_root_dir=str(tmp_path), **QUIET)
+        trainer = Trainer(
+            strategy="dp", devices=2, accelerator="cuda", max_epochs=2, default_root_dir=str(tmp_path), **QUIET
+        )
     assert sum("strategy='dp'" in str(w.message) for w in caught) == 1
     module = Net()
     trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))

@@ -215,8 +215,15 @@ def test_expand_tasks_per_node():
 
 
 def test_open_mpi_variables():
-    env = detect_environment({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-                              "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node01"})
+    env = detect_environment(
+        {
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": "node01",
+        }
+    )
     assert (env.name, env.global_rank, env.world_size, env.local_rank, env.node_rank, env.master_addr) == (
         "mpi", 2, 4, 0, 1, "node01")
 
@@ -228,7 +235,9 @@ def test_mpich_and_intel_mpi_pmi_variables():
 
 def test_mpi_across_nodes_without_master_addr_says_how_to_pass_it():
     with pytest.raises(MisconfigurationError, match="mpirun -x MASTER_ADDR"):
-        detect_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+        detect_environment(
+            {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+        )
 
 
 def test_no_launcher_is_local_with_a_free_port():

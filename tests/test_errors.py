@@ -39,7 +39,9 @@ def test_missing_configure_optimizers():
     class NoOptimizer(Tiny):
         configure_optimizers = TrainModule.configure_optimizers
 
-    with pytest.raises(MisconfigurationError, match=r"NoOptimizer has no configure_optimizers\(\).*return torch\.optim"):
+    with pytest.raises(
+        MisconfigurationError, match=r"NoOptimizer has no configure_optimizers\(\).*return torch\.optim"
+    ):
         fit(NoOptimizer())
 
 
@@ -67,7 +69,9 @@ def test_ckpt_path_that_does_not_exist(tmp_path):
         Trainer(max_epochs=1, **QUIET).fit(Tiny(), loader(), ckpt_path=missing)
     with pytest.raises(CheckpointError, match=r"nope\.ckpt' does not exist"):
         Tiny.load_from_checkpoint(missing)
-    with pytest.raises(MisconfigurationError, match=r"ckpt_path '.*' is a folder; give a checkpoint file in it, or 'last'"):
+    with pytest.raises(
+        MisconfigurationError, match=r"ckpt_path '.*' is a folder; give a checkpoint file in it, or 'last'"
+    ):
         Trainer(max_epochs=1, **QUIET).fit(Tiny(), loader(), ckpt_path=tmp_path)
 
 
@@ -105,14 +109,21 @@ def test_fp16_mixed_on_cpu():
         Trainer(precision="8")
 
 
-@pytest.mark.parametrize("spelling, name", [(32, "32"), ("32-true", "32"), ("bf16", "bf16-mixed"), ("bf16-mixed", "bf16-mixed")])
+@pytest.mark.parametrize(
+    "spelling, name", [(32, "32"), ("32-true", "32"), ("bf16", "bf16-mixed"), ("bf16-mixed", "bf16-mixed")]
+)
 def test_lightning_spellings_of_precision(spelling, name):
     assert Trainer(precision=spelling, accelerator="cpu").config.precision == name
 
 
-@pytest.mark.parametrize("spelling, advice", [(16, "'16-mixed' is not supported on CPU"),
-                                               ("bf16-true", r"the whole model in bf16\) is not supported; use 'bf16-mixed'"),
-                                               (64, r"the whole model in 64\) is not supported; use precision='32' with")])
+@pytest.mark.parametrize(
+    "spelling, advice",
+    [
+        (16, "'16-mixed' is not supported on CPU"),
+        ("bf16-true", r"the whole model in bf16\) is not supported; use 'bf16-mixed'"),
+        (64, r"the whole model in 64\) is not supported; use precision='32' with"),
+    ],
+)
 def test_precisions_this_framework_lacks_say_what_to_use(spelling, advice):
     with pytest.raises(MisconfigurationError, match=advice):
         Trainer(precision=spelling, accelerator="cpu")
@@ -148,7 +159,10 @@ def test_unknown_option_suggests_the_closest():
         ({"log_every_n_steps": 0}, r"log_every_n_steps=0 must be at least 1"),
         ({"seed": "abc"}, r"seed='abc' must be an integer or unset"),
         ({"fast_dev_run": -1}, r"fast_dev_run=-1 must be true/false or a number of batches \(>= 0\)"),
-        ({"logger": ["csv", "wandb"]}, r"logger='wandb' is not known; use true, false, 'csv', 'tensorboard' or a Logger"),
+        (
+            {"logger": ["csv", "wandb"]},
+            r"logger='wandb' is not known; use true, false, 'csv', 'tensorboard' or a Logger",
+        ),
     ],
 )
 def test_out_of_range_options(options, message):
@@ -159,9 +173,13 @@ def test_out_of_range_options(options, message):
 def test_fit_inputs():
     with pytest.raises(MisconfigurationError, match="Trainer.fit needs a TrainModule; got Linear"):
         Trainer(**QUIET).fit(nn.Linear(2, 1), loader())
-    with pytest.raises(MisconfigurationError, match=r"Trainer.fit needs dataloaders, a datamodule, or a Tiny.train_dataloader\(\)"):
+    with pytest.raises(
+        MisconfigurationError, match=r"Trainer.fit needs dataloaders, a datamodule, or a Tiny.train_dataloader\(\)"
+    ):
         Trainer(**QUIET).fit(Tiny())
-    with pytest.raises(MisconfigurationError, match="train_dataloaders must be a DataLoader or a list of them, got TensorDataset"):
+    with pytest.raises(
+        MisconfigurationError, match="train_dataloaders must be a DataLoader or a list of them, got TensorDataset"
+    ):
         Trainer(**QUIET).fit(Tiny(), TensorDataset(torch.randn(4, 2)))
     with pytest.raises(MisconfigurationError, match="callbacks must be Callback instances; got function"):
         Trainer(callbacks=[lambda: None], **QUIET)
@@ -192,7 +210,9 @@ def test_bad_configure_optimizers_return():
         def configure_optimizers(self):
             return list(self.parameters())
 
-    with pytest.raises(MisconfigurationError, match="configure_optimizers returned a Parameter where an optimizer belongs"):
+    with pytest.raises(
+        MisconfigurationError, match="configure_optimizers returned a Parameter where an optimizer belongs"
+    ):
         fit(ReturnsParams())
 
     class PlateauWithoutMonitor(Tiny):
@@ -200,7 +220,9 @@ def test_bad_configure_optimizers_return():
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
             return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
 
-    with pytest.raises(MisconfigurationError, match="ReduceLROnPlateau steps on a monitored value: it needs a 'monitor' key"):
+    with pytest.raises(
+        MisconfigurationError, match="ReduceLROnPlateau steps on a monitored value: it needs a 'monitor' key"
+    ):
         fit(PlateauWithoutMonitor())
 
 

@@ -262,7 +262,9 @@ def fit_poisoned(root: Path, **options) -> Linear:
 
 def test_a_nan_loss_stops_before_its_step_and_the_last_checkpoint_stays_finite(tmp_path):
     bad_batch = next(i for i, batch in enumerate(epoch_batches(0)) if POISONED in batch)
-    with pytest.raises(NonFiniteLossError, match=rf"loss was nan at global step {bad_batch} \(epoch 0, batch {bad_batch}\)"):
+    with pytest.raises(
+        NonFiniteLossError, match=rf"loss was nan at global step {bad_batch} \(epoch 0, batch {bad_batch}\)"
+    ):
         fit_poisoned(tmp_path)
     last = load_checkpoint_file(run_folder(tmp_path) / "checkpoints" / "last.ckpt")
     assert last["loops"]["progress"]["global_step"] == bad_batch
@@ -367,7 +369,9 @@ def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig, exit_code", [(signal.SIGTERM, SIGTERM_EXIT_CODE), (signal.SIGINT, SIGINT_EXIT_CODE)])
-def test_sigterm_or_ctrl_c_to_a_ddp_job_saves_on_every_rank_and_the_next_start_resumes(ddp_run, tmp_path, sig, exit_code):
+def test_sigterm_or_ctrl_c_to_a_ddp_job_saves_on_every_rank_and_the_next_start_resumes(
+    ddp_run, tmp_path, sig, exit_code
+):
     proc = start_script(tmp_path, "ddp", "--slow-from", "2")
     wait_for(tmp_path / "marker", proc)
     os.killpg(proc.pid, sig)  # as SLURM (SIGTERM) or a terminal's Ctrl-C (SIGINT) do: the launcher and every worker
@@ -409,6 +413,8 @@ def test_a_stuck_rank_becomes_an_error_naming_the_collective_within_the_timeout(
         trainer.fit(StuckRank(str(marker)), fault_script.loaders()[0])
     elapsed = time.time() - float(marker.read_text())
     message = str(caught.value)
-    assert message.startswith("rank 0 waited more than 6 s in the gradient all-reduce in backward (DDPStrategy.backward")
+    assert message.startswith(
+        "rank 0 waited more than 6 s in the gradient all-reduce in backward (DDPStrategy.backward"
+    )
     assert "\n" not in message
     assert elapsed < 6 + 20, f"the job took {elapsed:.0f} s to fail after rank 1 got stuck"

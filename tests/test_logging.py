@@ -167,8 +167,12 @@ def test_hparams_yaml_holds_the_datamodules_too_and_values_yaml_cannot_hold_as_t
     assert OmegaConf.to_container(OmegaConf.load(trainer.log_dir / "hparams.yaml")) == {
         "hidden": 8, "note": "plain text", "settings": {"dtype": "torch.bfloat16", "layers": ["ReLU()", 2]},
         "batch_size": 4}
-    with pytest.raises(MisconfigurationError, match=r"the hparams \['hidden'\] are saved by both Configured and Loaders"):
-        Trainer(max_epochs=1, default_root_dir=str(tmp_path), **QUIET).fit(Configured(), datamodule=Loaders(train, hidden=3))
+    with pytest.raises(
+        MisconfigurationError, match=r"the hparams \['hidden'\] are saved by both Configured and Loaders"
+    ):
+        Trainer(max_epochs=1, default_root_dir=str(tmp_path), **QUIET).fit(
+            Configured(), datamodule=Loaders(train, hidden=3)
+        )
 
 
 def test_a_resumed_fit_keeps_the_rows_of_a_validation_run_after_its_checkpoint(datasets, tmp_path):
@@ -301,13 +305,15 @@ def test_a_run_stopped_mid_epoch_by_max_steps_resumes_with_the_epochs_running_va
     first = EpochValues()
     Trainer(max_steps=2, callbacks=[first], **options).fit(Classifier(), DataLoader(train, batch_size=8))
     resumed = EpochValues()
-    Trainer(max_steps=6, callbacks=[resumed], **options).fit(Classifier(), DataLoader(train, batch_size=8), ckpt_path="last")
+    Trainer(max_steps=6, callbacks=[resumed], **options).fit(
+        Classifier(), DataLoader(train, batch_size=8), ckpt_path="last"
+    )
     assert first.seen == [(0, 16.0)]  # what the stopped run had seen of epoch 0
     assert resumed.seen == [(0, 20.0), (1, 20.0)]  # epoch 0 whole, as if never stopped
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["version_0"]  # no logger, same run folder
 
 
-# --------------------------------------------------------------------------- Lightning's logging semantics, hook by hook
+# -------------------------------------------------------------------------- Lightning's logging semantics, hook by hook
 
 
 class Probe(TrainModule):
@@ -350,7 +356,9 @@ class Probe(TrainModule):
 
 
 def probe_fit(tmp_path, module, train, val=None, **options):
-    trainer = Trainer(**{"max_epochs": 2, **QUIET, "default_root_dir": str(tmp_path), "log_every_n_steps": 1, **options})
+    trainer = Trainer(
+        **{"max_epochs": 2, **QUIET, "default_root_dir": str(tmp_path), "log_every_n_steps": 1, **options}
+    )
     trainer.fit(module, DataLoader(train, batch_size=8), DataLoader(val, batch_size=8) if val is not None else None)
     return trainer, read_csv(trainer.log_dir / "metrics.csv")[1]
 
@@ -370,8 +378,13 @@ def test_monitors_see_logger_false_values_and_the_plain_name_of_step_and_epoch_v
 
     stopping, every_step = EarlyStopping("quiet", patience=5), ModelCheckpoint(monitor="both", every_n_train_steps=1,
                                                                                save_top_k=1, dirpath=tmp_path / "ckpts")
-    trainer, rows = probe_fit(tmp_path, Probe({"training_step": log}), *datasets, callbacks=[Look(), stopping, every_step],
-                              enable_checkpointing=True)
+    trainer, rows = probe_fit(
+        tmp_path,
+        Probe({"training_step": log}),
+        *datasets,
+        callbacks=[Look(), stopping, every_step],
+        enable_checkpointing=True,
+    )
     assert seen[0] == ["both", "both_step", "quiet"]  # as Lightning: the step value also under its plain name
     assert stopping.best_score is not None and every_step.best_model_path  # both could monitor
     assert all("quiet" not in row or row["quiet"] == "" for row in rows)  # logger=False stays out of the file
@@ -422,7 +435,10 @@ def test_evaluation_step_values_are_written_per_batch_and_epoch_start_values_per
     assert [(row["step"], row["val_batch"]) for row in rows if row.get("val_batch")] == [
         ("3", "0.0"), ("3", "1.0"), ("3", "2.0"), ("6", "0.0"), ("6", "1.0"), ("6", "2.0")]  # the sanity check's: none
     assert all(not row.get("val_batch") for row in rows if row.get("train_loss") or row.get("epoch_start"))
-    assert [(row["step"], row["epoch_start"]) for row in rows if row.get("epoch_start")] == [("3", "10.0"), ("6", "11.0")]
+    assert [(row["step"], row["epoch_start"]) for row in rows if row.get("epoch_start")] == [
+        ("3", "10.0"),
+        ("6", "11.0"),
+    ]
     assert "val_batch" not in trainer.callback_metrics  # evaluation step values are written, never monitored
     # logged_metrics holds what was logged, last values; the epoch column is added for the loggers only
     assert trainer.logged_metrics["epoch_start"] == 11.0 and "epoch" not in trainer.logged_metrics
@@ -430,12 +446,17 @@ def test_evaluation_step_values_are_written_per_batch_and_epoch_start_values_per
 
 @pytest.mark.parametrize("hook, options", [("on_train_epoch_end", dict(on_step=True)),
                                            ("on_train_epoch_start", dict(on_epoch=False))])
-def test_step_values_logged_in_a_once_per_epoch_hook_are_refused_with_the_options_to_use(datasets, tmp_path, hook, options):
+def test_step_values_logged_in_a_once_per_epoch_hook_are_refused_with_the_options_to_use(
+    datasets, tmp_path, hook, options
+):
     def log(module):
         module.log("value", 1.0, **options)
 
-    with pytest.raises(MisconfigurationError, match=r"self.log\('value', on_step=(True|False), on_epoch=(True|False)\) in a hook "
-                                                    r"that runs once per epoch.*use on_step=False, on_epoch=True"):
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"self.log\('value', on_step=(True|False), on_epoch=(True|False)\) in a hook "
+        r"that runs once per epoch.*use on_step=False, on_epoch=True",
+    ):
         probe_fit(tmp_path, Probe({hook: log}), *datasets)
 
 

@@ -23,13 +23,13 @@ from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.data import (
     data_wait_advice,
     measure_data_wait,
-    merge_prediction_shares,
     prepare_loader,
     samples_in_batches,
     worker_oversubscription,
 )
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.predictions import merge_prediction_shares
 from torchyard.trainer.strategies.single import SingleDeviceStrategy
 
 SEED = 7
@@ -68,7 +68,10 @@ class Regressor(TrainModule):
         if self.hparams.scheduler_interval is None:
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval},
+        }
 
 
 def reference_fit(model: Regressor, dataset: TensorDataset, *, batch_size: int, epochs: int, accumulate: int = 1,
@@ -136,15 +139,29 @@ def fresh_pair(**hparams) -> tuple[Regressor, Regressor]:
         pytest.param({}, {"max_epochs": 3}, {"epochs": 3}, id="sgd"),
         pytest.param({"optimizer": "adam", "lr": 0.01}, {"max_epochs": 2}, {"epochs": 2}, id="adam"),
         # 6 batches per epoch, accumulate 4: one full step and a tail step of 2 micro-batches per epoch.
-        pytest.param({}, {"max_epochs": 2, "accumulate_grad_batches": 4}, {"epochs": 2, "accumulate": 4}, id="accumulate-tail"),
-        pytest.param({}, {"max_epochs": 2, "accumulate_grad_batches": 3}, {"epochs": 2, "accumulate": 3}, id="accumulate-3"),
-        pytest.param({}, {"max_epochs": 2, "gradient_clip_val": 0.05}, {"epochs": 2, "clip": (0.05, "norm")}, id="clip-norm"),
-        pytest.param({}, {"max_epochs": 2, "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
-                     {"epochs": 2, "clip": (0.01, "value")}, id="clip-value"),
+        pytest.param(
+            {}, {"max_epochs": 2, "accumulate_grad_batches": 4}, {"epochs": 2, "accumulate": 4}, id="accumulate-tail"
+        ),
+        pytest.param(
+            {}, {"max_epochs": 2, "accumulate_grad_batches": 3}, {"epochs": 2, "accumulate": 3}, id="accumulate-3"
+        ),
+        pytest.param(
+            {}, {"max_epochs": 2, "gradient_clip_val": 0.05}, {"epochs": 2, "clip": (0.05, "norm")}, id="clip-norm"
+        ),
+        pytest.param(
+            {},
+            {"max_epochs": 2, "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+            {"epochs": 2, "clip": (0.01, "value")},
+            id="clip-value",
+        ),
         pytest.param({"scheduler_interval": "step"}, {"max_epochs": 2}, {"epochs": 2}, id="scheduler-step"),
         pytest.param({"scheduler_interval": "epoch"}, {"max_epochs": 3}, {"epochs": 3}, id="scheduler-epoch"),
-        pytest.param({"optimizer": "adam", "lr": 0.01}, {"max_epochs": 2, "precision": "bf16-mixed"},
-                     {"epochs": 2, "autocast": True}, id="bf16-mixed"),
+        pytest.param(
+            {"optimizer": "adam", "lr": 0.01},
+            {"max_epochs": 2, "precision": "bf16-mixed"},
+            {"epochs": 2, "autocast": True},
+            id="bf16-mixed",
+        ),
     ],
 )
 def test_fit_matches_hand_written_loop(hparams, options, reference):
@@ -215,7 +232,9 @@ class Stream(IterableDataset):
 def test_iterable_dataset_steps_on_the_tail_like_a_hand_written_loop():
     dataset = regression_data()
     module, expected = fresh_pair()
-    Trainer(seed=SEED, max_epochs=2, accumulate_grad_batches=4, **QUIET).fit(module, DataLoader(Stream(dataset), batch_size=8))
+    Trainer(seed=SEED, max_epochs=2, accumulate_grad_batches=4, **QUIET).fit(
+        module, DataLoader(Stream(dataset), batch_size=8)
+    )
 
     optimizer = make_optimizer(expected.parameters(), "sgd", 0.05)
     for _ in range(2):
@@ -283,7 +302,9 @@ def test_lr_scaling_scales_every_rate_a_schedule_is_built_from(schedule):
         if schedule == "one_cycle":
             return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1 * scale, total_steps=6)
         if schedule == "cyclic":
-            return torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=0.01 * scale, max_lr=0.1 * scale, step_size_up=2)
+            return torch.optim.lr_scheduler.CyclicLR(
+                optimizer, base_lr=0.01 * scale, max_lr=0.1 * scale, step_size_up=2
+            )
         cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3, eta_min=0.01 * scale)
         step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return torch.optim.lr_scheduler.SequentialLR(optimizer, [cosine, step], milestones=[3])
@@ -332,7 +353,10 @@ def test_lr_scaling_scales_a_timm_schedulers_base_values_and_warns_for_a_schedul
     class Scheduled(Regressor):
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": TimmLikeCosine(optimizer, 6), "interval": "step"}}
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": TimmLikeCosine(optimizer, 6), "interval": "step"},
+            }
 
         def lr_scheduler_step(self, scheduler, metric):
             scheduler.step_update(self.global_step)
@@ -359,8 +383,10 @@ def test_lr_scaling_scales_a_timm_schedulers_base_values_and_warns_for_a_schedul
                 **QUIET).fit(Unscalable(), DataLoader(regression_data(samples=32), batch_size=8))
 
 
-@pytest.mark.parametrize(("batch_size", "drop_last", "start", "end", "expected"),
-                         [(4, False, 0, 3, 10), (4, False, 1, 3, 6), (4, False, 2, 3, 2), (4, True, 0, 2, 8), (3, False, 0, 2, 6)])
+@pytest.mark.parametrize(
+    ("batch_size", "drop_last", "start", "end", "expected"),
+    [(4, False, 0, 3, 10), (4, False, 1, 3, 6), (4, False, 2, 3, 2), (4, True, 0, 2, 8), (3, False, 0, 2, 6)],
+)
 def test_samples_in_batches_counts_the_short_last_batch(batch_size, drop_last, start, end, expected):
     loader = prepare_loader(DataLoader(regression_data(10), batch_size=batch_size, shuffle=True, drop_last=drop_last),
                             train=True)
@@ -451,7 +477,9 @@ def test_whole_batches_dealt_by_a_custom_batch_sampler_are_interleaved_back():
     data = regression_data(10)
     loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3, 4], [5], [6, 7, 8, 9], [3]])
     actual = merged(loader, 2, lambda batch: batch[0])
-    assert [torch.equal(got, data.tensors[0][indices]) for got, indices in zip(actual, loader.batch_sampler)] == [True] * 5
+    assert [torch.equal(got, data.tensors[0][indices]) for got, indices in zip(actual, loader.batch_sampler)] == [
+        True
+    ] * 5
 
 
 def test_predictions_without_one_row_per_sample_come_batch_by_batch_with_a_warning():
@@ -483,7 +511,9 @@ def consume(batches, step_s: float = 0.0) -> list:
 
 def test_measured_data_wait_is_the_share_of_time_spent_fetching_after_the_first_batch():
     reports = []
-    assert consume(measure_data_wait(paced(12, fetch_s=0.01), lambda *r: reports.append(r), window=5)) == list(range(12))
+    assert consume(measure_data_wait(paced(12, fetch_s=0.01), lambda *r: reports.append(r), window=5)) == list(
+        range(12)
+    )
     [(share, wait)] = reports
     assert share > 0.8 and 0.009 < wait < 0.05
     reports.clear()
@@ -507,8 +537,10 @@ def test_loader_workers_of_all_processes_on_a_node_are_counted_against_its_cores
     monkeypatch.setattr("torchyard.trainer.data.usable_cores", lambda: 4)
     loader = DataLoader(regression_data(8), num_workers=3)
     warning = worker_oversubscription(loader, "training", local_processes=2)
-    assert warning == ("the training dataloader's num_workers=3 on each of 2 process(es) on this node starts 6 loader "
-                       "processes for 4 CPU core(s), which then take turns with training; num_workers=2 fits this machine.")
+    assert warning == (
+        "the training dataloader's num_workers=3 on each of 2 process(es) on this node starts 6 loader "
+        "processes for 4 CPU core(s), which then take turns with training; num_workers=2 fits this machine."
+    )
     assert worker_oversubscription(DataLoader(regression_data(8), num_workers=2), "training", 2) is None
     # More than the cores in one process: torch's DataLoader already says so.
     assert worker_oversubscription(DataLoader(regression_data(8), num_workers=5), "training", 2) is None
@@ -516,7 +548,9 @@ def test_loader_workers_of_all_processes_on_a_node_are_counted_against_its_cores
 
 def test_fit_warns_about_workers_that_the_nodes_processes_start_together(monkeypatch, tmp_path):
     monkeypatch.setattr("torchyard.trainer.data.usable_cores", lambda: 2)
-    monkeypatch.setattr(SingleDeviceStrategy, "detect_environment", lambda self: ClusterEnvironment("local", local_world_size=2))
+    monkeypatch.setattr(
+        SingleDeviceStrategy, "detect_environment", lambda self: ClusterEnvironment("local", local_world_size=2)
+    )
     trainer = Trainer(max_epochs=1, limit_train_batches=2, default_root_dir=str(tmp_path), **QUIET)
     with pytest.warns(UserWarning, match="num_workers=2 on each of 2 process.*num_workers=1 fits"):
         trainer.fit(Regressor(), DataLoader(regression_data(16), batch_size=4, num_workers=2))
@@ -538,7 +572,10 @@ def test_the_run_summary_says_how_long_training_waited_for_data(tmp_path):
     trainer.fit(Regressor(), DataLoader(SlowSamples(), batch_size=2))
     share, wait = trainer.data_wait
     assert share > 0.5 and wait >= 0.004  # two samples of 2 ms, on a step of microseconds
-    assert summary.run_summary["waiting for data"] == f"{share:.0%} of the time, {wait * 1e3:.2f} ms a batch (first batches)"
+    assert (
+        summary.run_summary["waiting for data"]
+        == f"{share:.0%} of the time, {wait * 1e3:.2f} ms a batch (first batches)"
+    )
 
 
 def test_a_training_step_returning_none_skips_its_batch_as_in_lightning():

@@ -27,7 +27,9 @@ def test_save_hyperparameters_keeps_init_arguments():
     module = WithHparams(4, activation="gelu", encoder=nn.Linear(1, 1), dropout=0.1)
     assert dict(module.hparams) == {"width": 4, "depth": 2, "activation": "gelu", "dropout": 0.1}
     assert module.hparams.width == 4
-    with pytest.raises(AttributeError, match=r"hparams has no 'lr'; it holds \['activation', 'depth', 'dropout', 'width'\]"):
+    with pytest.raises(
+        AttributeError, match=r"hparams has no 'lr'; it holds \['activation', 'depth', 'dropout', 'width'\]"
+    ):
         module.hparams.lr  # noqa: B018
 
 
@@ -200,8 +202,10 @@ def test_lr_scheduler_step_steps_schedulers_of_other_kinds_and_sees_plateau_metr
         def configure_optimizers(self):
             optimizer, still = torch.optim.SGD(self.parameters(), lr=1.0), torch.optim.SGD(self.parameters(), lr=0.0)
             plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(still, patience=0, factor=0.5)
-            return ({"optimizer": optimizer, "lr_scheduler": {"scheduler": StepwiseHalving(optimizer), "interval": "step"}},
-                    {"optimizer": still, "lr_scheduler": plateau, "monitor": "flat"})
+            return (
+                {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepwiseHalving(optimizer), "interval": "step"}},
+                {"optimizer": still, "lr_scheduler": plateau, "monitor": "flat"},
+            )
 
         def lr_scheduler_step(self, scheduler, metric):
             assert metric is None or isinstance(metric, torch.Tensor)  # the logged value, as Lightning passes it
@@ -380,4 +384,8 @@ def test_manual_optimization_fires_the_step_hooks_and_offers_clipping_and_toggli
     trainer = Trainer(max_epochs=1, callbacks=[hooks], **QUIET)
     trainer.fit(Gan(), data())
     steps = trainer.global_step  # two optimizer steps a batch
-    assert steps > 0 and hooks.calls == {"before_backward": steps, "after_backward": steps, "before_optimizer_step": steps}
+    assert steps > 0 and hooks.calls == {
+        "before_backward": steps,
+        "after_backward": steps,
+        "before_optimizer_step": steps,
+    }

@@ -40,8 +40,10 @@ def test_a_later_list_replaces_and_the_warning_names_what_it_dropped(recipes):
     assert classes(recipe) == ["torchyard.callbacks.EarlyStopping"]
     assert len(record) == 1
     assert str(record[0].message) == (
-        "replace.yaml: its callbacks list replaces the one before it, which drops torchyard.callbacks.ModelCheckpoint; to add "
-        "to the list instead, write 'callbacks+:' in a file or callbacks+=... as an override.")
+        "replace.yaml: its callbacks list replaces the one before it, which drops "
+        "torchyard.callbacks.ModelCheckpoint; to add "
+        "to the list instead, write 'callbacks+:' in a file or callbacks+=... as an override."
+    )
     assert record[0].filename == __file__  # the caller of load_recipe, not a framework line
 
 
@@ -71,7 +73,11 @@ def test_callbacks_plus_override_appends_one_entry_or_a_list(recipes):
     assert recipe.callbacks[1].init_args["patience"] == 7
     recipe = load_recipe(["base.yaml", f"callbacks+=[{EARLY_STOP}, {{class_path: torchyard.callbacks.Timer}}]",
                           "callbacks.2.init_args.duration=30"])  # an appended entry takes dotted overrides after
-    assert classes(recipe) == ["torchyard.callbacks.ModelCheckpoint", "torchyard.callbacks.EarlyStopping", "torchyard.callbacks.Timer"]
+    assert classes(recipe) == [
+        "torchyard.callbacks.ModelCheckpoint",
+        "torchyard.callbacks.EarlyStopping",
+        "torchyard.callbacks.Timer",
+    ]
     assert recipe.callbacks[2].init_args["duration"] == 30
 
 
@@ -102,9 +108,11 @@ def test_an_override_that_replaces_the_list_warns_too(recipes):
 def test_the_command_shows_the_merge_warning_as_one_line_without_a_python_location(recipes, capsys):
     assert main(["config", "base.yaml", "replace.yaml"]) == 0
     captured = capsys.readouterr()
-    assert captured.err == ("Warning: replace.yaml: its callbacks list replaces the one before it, which drops "
-                            "torchyard.callbacks.ModelCheckpoint; to add to the list instead, write 'callbacks+:' in a file "
-                            "or callbacks+=... as an override.\n")
+    assert captured.err == (
+        "Warning: replace.yaml: its callbacks list replaces the one before it, which drops "
+        "torchyard.callbacks.ModelCheckpoint; to add to the list instead, write 'callbacks+:' in a file "
+        "or callbacks+=... as an override.\n"
+    )
     assert "EarlyStopping" in captured.out and "ModelCheckpoint" not in captured.out
     assert main(["config", "base.yaml", "append.yaml"]) == 0
     captured = capsys.readouterr()

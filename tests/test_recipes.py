@@ -93,7 +93,9 @@ def test_digits_config_yaml_reruns_resumes_and_predicts(tmp_path):
     assert {int(float(row["epoch"])) for row in val_rows(first)} == {0, 1}
     assert {int(float(row["epoch"])) for row in val_rows(second)} == {0}
     assert main(["fit", DIGITS, *SHORT_DIGITS, "trainer.max_epochs=2", "trainer.name=straight"]) == 0
-    assert_same_weights(first / "checkpoints" / "last.ckpt", tmp_path / "runs" / "straight" / "version_0" / "checkpoints" / "last.ckpt")
+    assert_same_weights(
+        first / "checkpoints" / "last.ckpt", tmp_path / "runs" / "straight" / "version_0" / "checkpoints" / "last.ckpt"
+    )
 
     # predict saves the predicted classes, which are the checkpoint's argmax over the validation images.
     assert main(["predict", str(config), "ckpt_path=last"]) == 0
@@ -123,16 +125,43 @@ def test_charlm_trains_and_predict_prints_sampled_text(tmp_path, capsys):
     assert capsys.readouterr().out == printed  # trainer.seed makes sampling repeatable
 
 
-@pytest.mark.parametrize(("recipe", "override", "message"), [
-    (DIGITS, "data.init_args.batch_size=0", "DigitsData: batch_size=0 must be at least 1 (data.init_args.batch_size in a recipe)."),
-    (CHARLM, "data.init_args.batch_size=-4", "CharData: batch_size=-4 must be at least 1 (data.init_args.batch_size in a recipe)."),
-    (DIGITS, "data.init_args.num_workers=-1", "DigitsData: num_workers=-1 must be 0 or more (data.init_args.num_workers in a recipe)."),
-    (CHARLM, "data.init_args.prompts=[1]", "data.init_args.prompts=[1]: CharData expects a list of str, got a list of int."),
-    (CHARLM, "data.init_args.prompts=[]", "CharData: prompts=[]: predict continues each prompt, so give one or more "
-                                          "non-empty strings (data.init_args.prompts in a recipe)."),
-    (CHARLM, 'data.init_args.prompts=["def", ""]', "CharData: prompts=['def', '']: predict continues each prompt, so "
-                                                   "give one or more non-empty strings (data.init_args.prompts in a recipe)."),
-])
+@pytest.mark.parametrize(
+    ("recipe", "override", "message"),
+    [
+        (
+            DIGITS,
+            "data.init_args.batch_size=0",
+            "DigitsData: batch_size=0 must be at least 1 (data.init_args.batch_size in a recipe).",
+        ),
+        (
+            CHARLM,
+            "data.init_args.batch_size=-4",
+            "CharData: batch_size=-4 must be at least 1 (data.init_args.batch_size in a recipe).",
+        ),
+        (
+            DIGITS,
+            "data.init_args.num_workers=-1",
+            "DigitsData: num_workers=-1 must be 0 or more (data.init_args.num_workers in a recipe).",
+        ),
+        (
+            CHARLM,
+            "data.init_args.prompts=[1]",
+            "data.init_args.prompts=[1]: CharData expects a list of str, got a list of int.",
+        ),
+        (
+            CHARLM,
+            "data.init_args.prompts=[]",
+            "CharData: prompts=[]: predict continues each prompt, so give one or more "
+            "non-empty strings (data.init_args.prompts in a recipe).",
+        ),
+        (
+            CHARLM,
+            'data.init_args.prompts=["def", ""]',
+            "CharData: prompts=['def', '']: predict continues each prompt, so "
+            "give one or more non-empty strings (data.init_args.prompts in a recipe).",
+        ),
+    ],
+)
 def test_loader_arguments_torch_refuses_are_one_line_before_anything_runs(tmp_path, capsys, recipe, override, message):
     assert main(["fit", recipe, override, *QUIET]) == 2
     assert capsys.readouterr().err == f"trainer fit: error: {message}\n"
@@ -146,7 +175,9 @@ def test_charlm_splits_into_embed_blocks_head():
     assert [name for name, _ in model.named_children()] == ["embed", "blocks", "head"]
     assert isinstance(model.blocks, torch.nn.Sequential) and len(model.blocks) == 3
     logits = model(tokens)
-    torch.testing.assert_close(model.head(model.blocks[2](model.blocks[1](model.blocks[0](model.embed(tokens))))), logits)
+    torch.testing.assert_close(
+        model.head(model.blocks[2](model.blocks[1](model.blocks[0](model.embed(tokens))))), logits
+    )
     targets = torch.randint(0, 98, (2, 16))
     torch.testing.assert_close(model.pipeline_loss(logits, (tokens, targets)),
                                F.cross_entropy(logits.reshape(-1, 98), targets.reshape(-1)))

@@ -79,7 +79,8 @@ def test_validate_and_test_print_a_results_table_unless_verbose_is_false_and_tak
     trainer.fit(module, loader())
     trainer.save_checkpoint(tmp_path / "a.ckpt")
     capsys.readouterr()
-    [tested] = trainer.test(module, loader(batch_size=6), tmp_path / "a.ckpt")  # Lightning: (model, dataloaders, ckpt_path)
+    # Lightning: (model, dataloaders, ckpt_path)
+    [tested] = trainer.test(module, loader(batch_size=6), tmp_path / "a.ckpt")
     table = capsys.readouterr().out
     assert "test results" in table and "test_loss" in table and f"{tested['test_loss']:.6g}" in table
     trainer.validate(module, [loader(8), loader(4)], verbose=False)
@@ -408,7 +409,9 @@ class ManualSteps(Counting):
 ])
 def test_options_that_manual_optimization_would_ignore_are_refused_before_it_starts(options, named):
     module = ManualSteps()
-    with pytest.raises(MisconfigurationError, match=r"ManualSteps sets automatic_optimization=False.*" + re.escape(named)):
+    with pytest.raises(
+        MisconfigurationError, match=r"ManualSteps sets automatic_optimization=False.*" + re.escape(named)
+    ):
         Trainer(max_epochs=1, **QUIET, **options).fit(module, loader())
     assert module.calls["train"] == 0
 
@@ -536,9 +539,15 @@ def test_lightning_calls_and_names_port_unchanged(tmp_path):
     assert module.total_steps == 3 * 3 == trainer.global_step  # 5 batches, accumulated in 2s: 3 steps an epoch
     assert module.calls == {"train": 15, "val": 3 * 2, "test": 0, "predict": 0}
     assert trainer.test(module, Data(), verbose=False)[0].keys() == {"test_loss"}
-    assert trainer.predict(model=module, dataloaders=loader(samples=4))[0].shape == (4, 1)  # loaders beat the fit's datamodule
+    # loaders beat the fit's datamodule
+    assert trainer.predict(model=module, dataloaders=loader(samples=4))[0].shape == (4, 1)
     assert module.logger is trainer.logger is trainer.loggers[0] and module.loggers == trainer.loggers
-    assert (trainer.lightning_module, trainer.model, trainer.precision, trainer.accumulate_grad_batches) == (module, module, "32", 2)
+    assert (trainer.lightning_module, trainer.model, trainer.precision, trainer.accumulate_grad_batches) == (
+        module,
+        module,
+        "32",
+        2,
+    )
     assert trainer.num_val_batches == [2] and trainer.default_root_dir == str(tmp_path)
     assert torch.equal(module.all_gather(torch.ones(2)), torch.ones(2))  # one process: unchanged
     module.freeze()
@@ -554,9 +563,12 @@ def test_lightning_hooks_this_trainer_does_not_call_are_refused_not_ignored():
         def configure_sharded_model(self):
             self.extra = nn.Linear(3, 1)
 
-    with pytest.raises(MisconfigurationError, match=r"Sharded defines configure_sharded_model, Lightning hook\(s\) this "
-                                                    r"Trainer does not call, so they would silently do nothing. Instead: "
-                                                    r"configure_sharded_model: rename it configure_model"):
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"Sharded defines configure_sharded_model, Lightning hook\(s\) this "
+        r"Trainer does not call, so they would silently do nothing. Instead: "
+        r"configure_sharded_model: rename it configure_model",
+    ):
         Trainer(**QUIET).fit(Sharded(), loader())
 
 
@@ -683,7 +695,8 @@ def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_lo
                 optimizer.zero_grad()
                 loss = F.mse_loss(reference(x), y)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)  # after every evaluation, as Lightning
+                # after every evaluation, as Lightning
+                torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)
                 step_losses.append(float(loss.detach()))
                 return loss
             first_losses.append(float(optimizer.step(closure).detach()))
@@ -693,7 +706,8 @@ def test_lbfgs_evaluates_the_loss_again_through_the_closure_as_a_hand_written_lo
     assert trainer.global_step == 10
     if own_step:
         assert [float(loss) for loss in module.step_results] == first_losses  # step returns the first evaluation's loss
-    assert module.batch_end_losses == last_losses  # on_train_batch_end gets the last evaluation's output, as in Lightning
+    # on_train_batch_end gets the last evaluation's output, as in Lightning
+    assert module.batch_end_losses == last_losses
     for name, tensor in reference.state_dict().items():
         assert torch.equal(module.layer.state_dict()[name], tensor), name
 
@@ -741,7 +755,8 @@ def test_an_optimizer_that_calls_its_closure_after_moving_the_weights_gets_a_new
             return loss
         optimizer.step(closure)
         optimizer.zero_grad()
-    assert module.calls["train"] == 10 and module.before_steps == 5  # hooks after the closure's evaluation, as Lightning
+    # hooks after the closure's evaluation, as Lightning
+    assert module.calls["train"] == 10 and module.before_steps == 5
     for name, tensor in reference.state_dict().items():
         assert torch.equal(module.layer.state_dict()[name], tensor), name
 
@@ -755,8 +770,11 @@ def test_a_closure_evaluated_again_with_several_optimizers_or_to_a_non_finite_lo
             optimizer.step(closure=optimizer_closure)
             optimizer.step(closure=optimizer_closure)  # the second call evaluates again
 
-    with pytest.raises(MisconfigurationError, match="SGD's closure was called again, which runs training_step and backward "
-                                                    "again; that needs one optimizer, and configure_optimizers returned 2"):
+    with pytest.raises(
+        MisconfigurationError,
+        match="SGD's closure was called again, which runs training_step and backward "
+        "again; that needs one optimizer, and configure_optimizers returned 2",
+    ):
         Trainer(max_epochs=1, **QUIET).fit(Twice(), loader(8))
 
     class Diverging(WithLBFGS):
@@ -764,7 +782,9 @@ def test_a_closure_evaluated_again_with_several_optimizers_or_to_a_non_finite_lo
             loss = super().training_step(batch, batch_idx)
             return loss * float("inf") if self.calls["train"] == 3 else loss
 
-    with pytest.raises(NonFiniteLossError, match="the training loss was inf when the optimizer evaluated it again inside its step"):
+    with pytest.raises(
+        NonFiniteLossError, match="the training loss was inf when the optimizer evaluated it again inside its step"
+    ):
         Trainer(max_epochs=1, **QUIET).fit(Diverging(), loader(8))
 
 
@@ -787,7 +807,8 @@ def test_lbfgs_is_refused_where_its_evaluations_cannot_be_honoured():
     with pytest.raises(MisconfigurationError, match="accumulate_grad_batches=2 cannot be used with LBFGS"):
         Trainer(max_epochs=1, accumulate_grad_batches=2, **QUIET).fit(WithLBFGS(), loader(8))
     lbfgs = WithLBFGS().configure_optimizers()
-    with pytest.raises(MisconfigurationError, match="precision='16-mixed' cannot step LBFGS"):  # CUDA only, so checked here
+    # CUDA only, so checked here
+    with pytest.raises(MisconfigurationError, match="precision='16-mixed' cannot step LBFGS"):
         check_closure_optimizer([lbfgs], 1, "16-mixed")
     check_closure_optimizer([lbfgs], 1, "bf16-mixed")
 
@@ -795,8 +816,11 @@ def test_lbfgs_is_refused_where_its_evaluations_cannot_be_honoured():
         def configure_optimizers(self):
             return [torch.optim.LBFGS([self.layer.weight]), torch.optim.SGD([self.layer.bias], lr=0.1)]
 
-    with pytest.raises(MisconfigurationError, match="LBFGS evaluates the loss itself, again and again, so under automatic "
-                                                    "optimization it must be the only optimizer"):
+    with pytest.raises(
+        MisconfigurationError,
+        match="LBFGS evaluates the loss itself, again and again, so under automatic "
+        "optimization it must be the only optimizer",
+    ):
         Trainer(max_epochs=1, **QUIET).fit(WithTwo(), loader(8))
 
 
@@ -911,7 +935,9 @@ def test_a_hook_both_module_and_datamodule_define_is_the_datamodules_with_a_warn
             return batch
 
     module = Transferring()
-    with pytest.warns(UserWarning, match="both Data and Transferring define on_before_batch_transfer; the datamodule's"):
+    with pytest.warns(
+        UserWarning, match="both Data and Transferring define on_before_batch_transfer; the datamodule's"
+    ):
         Trainer(max_epochs=1, **QUIET).fit(module, datamodule=Data())
     assert module.transfers == [("to cpu", 0), ("after", 0)]
     assert Trainer(**QUIET).predict(Counting(), loader(4))  # and a module without hooks moves batches itself
@@ -948,7 +974,9 @@ def test_configure_callbacks_replaces_the_trainers_callbacks_of_the_same_type_on
         def configure_callbacks(self):
             return [EarlyStopping]  # the class, not an instance
 
-    with pytest.raises(MisconfigurationError, match="Wrong.configure_callbacks must return Callback instances; got type"):
+    with pytest.raises(
+        MisconfigurationError, match="Wrong.configure_callbacks must return Callback instances; got type"
+    ):
         Trainer(**QUIET).fit(Wrong(), loader())
 
     class MyCheckpoint(ModelCheckpoint):
@@ -979,7 +1007,9 @@ def test_deterministic_benchmark_and_detect_anomaly_do_what_lightnings_options_d
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark = before[2]
-    with pytest.raises(MisconfigurationError, match="benchmark=True lets cuDNN pick algorithms by speed, which deterministic"):
+    with pytest.raises(
+        MisconfigurationError, match="benchmark=True lets cuDNN pick algorithms by speed, which deterministic"
+    ):
         Trainer(benchmark=True, deterministic=True)
 
     class NaNGradient(Counting):
@@ -1015,7 +1045,9 @@ def test_options_that_would_silently_do_nothing_are_refused():
     class NoTestStep(Counting):
         test_step = TrainModule.test_step
 
-    with pytest.raises(MisconfigurationError, match=r"Trainer.test needs NoTestStep.test_step\(self, batch, batch_idx\)"):
+    with pytest.raises(
+        MisconfigurationError, match=r"Trainer.test needs NoTestStep.test_step\(self, batch, batch_idx\)"
+    ):
         Trainer(**QUIET).test(NoTestStep(), loader())
     with pytest.raises(MisconfigurationError, match=r"a batch limit of 0.05 is less than one of this dataloader's 5 "
                                                     r"batches; use at least 0.2"):

@@ -17,8 +17,12 @@ if TYPE_CHECKING:
 __all__ = ["DataModule", "TrainModule", "Trainer", "seed_everything"]
 # Imported on first use, not with the package: these import torch (seconds), and the `trainer` command's
 # --help and `config --reference` run inside this package without needing it.
-_LAZY = {"DataModule": "torchyard.trainer.data", "TrainModule": "torchyard.trainer.module", "seed_everything": "torchyard.trainer.rng",
-         "Trainer": "torchyard.trainer.trainer"}
+_LAZY = {
+    "DataModule": "torchyard.trainer.data",
+    "TrainModule": "torchyard.trainer.module",
+    "seed_everything": "torchyard.trainer.rng",
+    "Trainer": "torchyard.trainer.trainer",
+}
 warnings.formatwarning = format_warning  # the framework's warnings show no framework file:line (see format_warning)
 
 

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 from torchyard.trainer.errors import MisconfigurationError
 
@@ -89,3 +90,16 @@ def _unsized_epoch_batches(loader: DataLoader, start: int) -> Iterator[tuple[int
         yield batch_idx, batch, False
         batch, batch_idx = following, batch_idx + 1
     yield batch_idx, batch, True
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested) batch to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)({k: move_to_device(v, device, non_blocking) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
+    return batch

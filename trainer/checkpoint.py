@@ -87,7 +87,9 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
         if not _starts_like_torch_file(path) or not any("Unsupported global" in line for line in lines):
             raise _corrupt(path, err) from err
         # torch's message is a page of advice; the line naming the refused class is the one to show.
-        reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else type(err).__name__)
+        reason = next(
+            (line for line in lines if "Unsupported global" in line), lines[0] if lines else type(err).__name__
+        )
         reason = reason.split(". Please use")[0]  # the rest advises trusting the file, which it is our job not to do
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds objects that only full unpickling could build, which could run "
@@ -113,7 +115,11 @@ def saved_position(path: Path, resumable: bool = True) -> tuple[int, int, int] |
         if progress is None and not resumable:  # a weights-only file: Lightning's top-level counters
             return int(checkpoint["global_step"]), int(checkpoint["epoch"]), 0
         done = bool(progress["epoch_done"])
-        return int(progress["global_step"]), int(progress["epoch"]) + done, 0 if done else int(progress["epoch_batches"])
+        return (
+            int(progress["global_step"]),
+            int(progress["epoch"]) + done,
+            0 if done else int(progress["epoch_batches"]),
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -139,7 +145,9 @@ def _starts_like_torch_file(path: Path) -> bool:
     return head == b"PK\x03\x04" or head[:1] == pickle.PROTO
 
 
-def strip_prefixes(state_dict: dict[str, torch.Tensor], prefixes: tuple[str, ...] = ("module.", "_orig_mod.")) -> dict[str, torch.Tensor]:
+def strip_prefixes(
+    state_dict: dict[str, torch.Tensor], prefixes: tuple[str, ...] = ("module.", "_orig_mod.")
+) -> dict[str, torch.Tensor]:
     """Keys as a bare module names them, whatever wrapped it (DDP, DataParallel, torch.compile)."""
     clean = {}
     for key, value in state_dict.items():
@@ -210,9 +218,15 @@ def weights_mismatch(own: dict[str, Any], saved: dict[str, Any], error: RuntimeE
 
     missing = [k for k in own if k not in saved]
     unexpected = [k for k in saved if k not in own]
-    reshaped = [f"{k} {list(saved[k].shape)} in the checkpoint, {list(own[k].shape)} in the model" for k in own
-                if k in saved and isinstance(saved[k], torch.Tensor) and isinstance(own[k], torch.Tensor)
-                and not isinstance(own[k], torch.nn.parameter.UninitializedParameter) and saved[k].shape != own[k].shape]
+    reshaped = [
+        f"{k} {list(saved[k].shape)} in the checkpoint, {list(own[k].shape)} in the model"
+        for k in own
+        if k in saved
+        and isinstance(saved[k], torch.Tensor)
+        and isinstance(own[k], torch.Tensor)
+        and not isinstance(own[k], torch.nn.parameter.UninitializedParameter)
+        and saved[k].shape != own[k].shape
+    ]
     parts = [f"{label} {some(keys)}" for label, keys in
              (("missing", missing), ("unexpected", unexpected), ("other shapes:", reshaped)) if keys]
     return "; ".join(parts) or str(error).splitlines()[-1].strip()

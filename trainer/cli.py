@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
+from torchyard.trainer.config import TrainerConfig, reference_table, update_readme
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.submit import add_arguments as add_submit_arguments
 
@@ -86,8 +87,6 @@ def _one_line(err: BaseException) -> str:
 
 def describe_config_error(err: OmegaConfBaseException) -> str:
     """One line for an omegaconf error: the key, what is wrong and what to do."""
-    from torchyard.trainer.config import TrainerConfig
-
     key = getattr(err, "full_key", None) or ""
     message = str(getattr(err, "msg", None) or err).strip().splitlines()[0]  # drop omegaconf's object_type lines
     prefix = f"{key}: " if key else ""
@@ -130,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_stage(args: argparse.Namespace) -> int:
     """fit / validate / test / predict: build everything from the recipe, then run the stage."""
+    # Here, not at the top: the framework imports torch, which `trainer --help` must not wait for.
     from torchyard.trainer import Trainer, seed_everything
     from torchyard.trainer.recipe import load_recipe
 
@@ -144,7 +144,9 @@ def run_stage(args: argparse.Namespace) -> int:
     if args.command == "fit":
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path)
     elif args.command == "predict":
-        _show_predictions(trainer.predict(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path), trainer)
+        _show_predictions(
+            trainer.predict(module, datamodule=datamodule, ckpt_path=ckpt_path or recipe.ckpt_path), trainer
+        )
     else:
         if recipe.ckpt_path is None:
             print(f"trainer {args.command}: note: no ckpt_path given; evaluating the model's initial weights.",
@@ -156,8 +158,6 @@ def run_stage(args: argparse.Namespace) -> int:
 
 def show_config(args: argparse.Namespace) -> int:
     """Print the resolved recipe, or the reference of trainer options."""
-    from torchyard.trainer.config import reference_table, update_readme
-
     if args.reference:
         if args.readme:
             changed = update_readme(args.readme)
@@ -177,7 +177,7 @@ def show_config(args: argparse.Namespace) -> int:
 
 
 def plot_runs(args: argparse.Namespace) -> int:
-    from torchyard.trainer.plot import plot_runs as draw
+    from torchyard.trainer.plot import plot_runs as draw  # matplotlib: only this command needs it
 
     path = draw(args.run_dirs, args.output)
     print(f"wrote {path}")
@@ -196,7 +196,7 @@ def _import_from_cwd() -> None:
 
 def _run_of_recipe(sources: Sequence[str]) -> Any:
     """For `trainer fit <run>/config.yaml ckpt_path=last`: that run's checkpoints, not the newest run's."""
-    from torchyard.trainer.resume import NewestCheckpoint
+    from torchyard.trainer.resume import NewestCheckpoint  # imports torch: see run_stage
 
     first = Path(sources[0]) if sources else None
     if first is not None and first.name == "config.yaml" and (first.parent / "checkpoints").is_dir():
@@ -212,9 +212,10 @@ def _show_predictions(outputs: list[Any], trainer: Any) -> None:
             print(text)
             print("-" * 72)
         return
+    # Imports torch: see run_stage.
     import torch
+    from torchyard.trainer.batches import move_to_device
     from torchyard.trainer.checkpoint import save_checkpoint_file
-    from torchyard.trainer.strategies.base import move_to_device
 
     # On the host, so the file loads anywhere without a map_location.
     path = save_checkpoint_file(move_to_device(outputs, torch.device("cpu")), trainer.log_dir / "predictions.pt")

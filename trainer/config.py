@@ -18,8 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from torchyard.trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.loggers import Logger, atomic_write_text
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+# Lightning's other spellings of the same three, so that a ported Trainer(precision=...) keeps working.
+PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+# Lightning's whole-model precisions (weights and optimizer state in that dtype), with what to use instead.
+UNSUPPORTED_PRECISIONS = {
+    "16-true": "'16-mixed', which keeps float32 weights and optimizer state",
+    "bf16-true": "'bf16-mixed', which keeps float32 weights and optimizer state",
+    "64-true": "precision='32' with the module cast by you (module.double()) and float64 data",
+}
+
+
 CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
@@ -40,16 +51,24 @@ class TrainerConfig:
 
     max_epochs: Any = _opt(None, "Stop after this many epochs; -1 for no limit; unset: 1000 unless max_steps is set.")
     max_steps: int = _opt(-1, "Stop after this many optimizer steps; -1 for no limit.")
-    max_time: Any = _opt(None, "Stop training once it has run this long: 'DD:HH:MM:SS', seconds, a dict like {hours: 12} "
-                         "or a timedelta (a Timer callback; a resumed run goes on with what is left of it).")
+    max_time: Any = _opt(
+        None,
+        "Stop training once it has run this long: 'DD:HH:MM:SS', seconds, a dict like {hours: 12} "
+        "or a timedelta (a Timer callback; a resumed run goes on with what is left of it).",
+    )
     min_epochs: int = _opt(0, "Train at least this many epochs, even if a callback asks to stop.")
-    limit_train_batches: Any = _opt(1.0, "Batches per training epoch (per process): a fraction (float) or a count (int).")
+    limit_train_batches: Any = _opt(
+        1.0, "Batches per training epoch (per process): a fraction (float) or a count (int)."
+    )
     limit_val_batches: Any = _opt(1.0, "Batches per validation (per process): a fraction (float) or a count (int).")
     limit_test_batches: Any = _opt(1.0, "Batches per test run (per process): a fraction (float) or a count (int).")
     limit_predict_batches: Any = _opt(1.0, "Batches per predict run, of the loader as one process sees it (the "
                                       "predictions are one process's): a fraction (float) or a count (int).")
-    val_check_interval: Any = _opt(1.0, "Validate every this fraction of an epoch (float) or this many batches (int), "
-                                   "and at each epoch's end (unlike Lightning, whose epoch end then validates only on a multiple).")
+    val_check_interval: Any = _opt(
+        1.0,
+        "Validate every this fraction of an epoch (float) or this many batches (int), "
+        "and at each epoch's end (unlike Lightning, whose epoch end then validates only on a multiple).",
+    )
     check_val_every_n_epoch: int = _opt(1, "Validate after every n-th training epoch.")
     reload_dataloaders_every_n_epochs: int = _opt(0, "Ask the datamodule (or module) for new train and validation "
                                                   "loaders every n epochs (0: once per fit), e.g. for a curriculum "
@@ -58,19 +77,33 @@ class TrainerConfig:
     accumulate_grad_batches: int = _opt(1, "Micro-batches whose gradients add up before one optimizer step.")
     gradient_clip_val: Any = _opt(None, "Clip gradients at this value (unset: no clipping).")
     gradient_clip_algorithm: str = _opt("norm", "'norm' (global L2 norm) or 'value' (element-wise).")
-    precision: str = _opt("32", f"One of {', '.join(PRECISIONS)} (Lightning's spellings '32-true', '16' and 'bf16' are taken as those).")
-    seed: Any = _opt(None, "Seed python, numpy and torch on every rank; also seeds the data order (default order seed 0).")
-    deterministic: bool = _opt(False, "Ask torch for deterministic algorithms, warning where one has none (Lightning's 'warn').")
-    benchmark: Any = _opt(None, "Set torch.backends.cudnn.benchmark: cuDNN times convolution algorithms per input shape and "
-                          "keeps the fastest; unset: left as it is (off under deterministic).")
-    detect_anomaly: bool = _opt(False, "Train under torch.autograd.set_detect_anomaly: a backward that makes NaN raises, "
-                                "naming the forward operation (slow; for debugging).")
+    precision: str = _opt(
+        "32", f"One of {', '.join(PRECISIONS)} (Lightning's spellings '32-true', '16' and 'bf16' are taken as those)."
+    )
+    seed: Any = _opt(
+        None, "Seed python, numpy and torch on every rank; also seeds the data order (default order seed 0)."
+    )
+    deterministic: bool = _opt(
+        False, "Ask torch for deterministic algorithms, warning where one has none (Lightning's 'warn')."
+    )
+    benchmark: Any = _opt(
+        None,
+        "Set torch.backends.cudnn.benchmark: cuDNN times convolution algorithms per input shape and "
+        "keeps the fastest; unset: left as it is (off under deterministic).",
+    )
+    detect_anomaly: bool = _opt(
+        False,
+        "Train under torch.autograd.set_detect_anomaly: a backward that makes NaN raises, "
+        "naming the forward operation (slow; for debugging).",
+    )
     default_root_dir: str = _opt("runs", "Runs land in <default_root_dir>/<name>/version_<n>/.")
     name: str = _opt("default", "The run name: the folder under default_root_dir.")
     logger: Any = _opt(True, "True or 'csv': CSV logger; 'tensorboard'; a list of those; False: none.")
     log_every_n_steps: int = _opt(50, "Write step metrics to the loggers every n optimizer steps.")
     enable_progress_bar: bool = _opt(True, "Show the rich progress bar (rank 0 only).")
-    enable_checkpointing: bool = _opt(True, "Add a ModelCheckpoint when none is given: the newest epoch checkpoint, also named last.ckpt.")
+    enable_checkpointing: bool = _opt(
+        True, "Add a ModelCheckpoint when none is given: the newest epoch checkpoint, also named last.ckpt."
+    )
     enable_model_summary: bool = _opt(True, "Print a model summary table at fit start and a run summary at its end.")
     fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
     accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
@@ -81,10 +114,15 @@ class TrainerConfig:
     lr_scaling: str = _opt("none", f"Scale learning rates by the data-parallel size: {', '.join(LR_SCALINGS)}.")
     lr_warmup_steps: int = _opt(0, "Steps of linear warm-up from the base to the scaled learning rate.")
     timeout: float = _opt(1800.0, "Seconds a collective may wait before the job fails instead of hanging.")
-    max_restarts: int = _opt(0, "Times the elastic agent restarts a failed multi-process job (resuming from the last checkpoint).")
-    nonfinite_loss: str = _opt("error", "A NaN/inf training loss: 'error' stops before its optimizer step, naming step and batch; "
-                               "'skip' skips that step and counts it in train/skipped_nonfinite; 'ignore' checks nothing "
-                               "(saves one host sync per step on GPU).")
+    max_restarts: int = _opt(
+        0, "Times the elastic agent restarts a failed multi-process job (resuming from the last checkpoint)."
+    )
+    nonfinite_loss: str = _opt(
+        "error",
+        "A NaN/inf training loss: 'error' stops before its optimizer step, naming step and batch; "
+        "'skip' skips that step and counts it in train/skipped_nonfinite; 'ignore' checks nothing "
+        "(saves one host sync per step on GPU).",
+    )
     inference_mode: bool = _opt(True, "Evaluate under torch.inference_mode (else no_grad).")
 
     def __post_init__(self) -> None:
@@ -112,7 +150,9 @@ def parse_duration(duration: Any, what: str = "duration") -> float | None:
         try:
             seconds = timedelta(**duration).total_seconds()
         except TypeError as err:
-            raise MisconfigurationError(f"{what}: a dict takes timedelta arguments (days, hours, minutes, seconds, ...).") from err
+            raise MisconfigurationError(
+                f"{what}: a dict takes timedelta arguments (days, hours, minutes, seconds, ...)."
+            ) from err
     elif isinstance(duration, str):
         match = _DHMS.match(duration)
         if match is None:
@@ -162,16 +202,25 @@ def _auto_devices(accelerator: str) -> int:
     return max(1, torch.cuda.device_count()) if gpus else 1
 
 
-def _canonical_precision(precision: Any) -> str:
-    from torchyard.trainer.precision import precision_name
+def precision_name(precision: Any) -> str:
+    """The canonical name of `precision` (Lightning's spellings too: 32, "32-true", 16, "bf16"), or a clear
+    error when it names none of PRECISIONS."""
+    name = PRECISION_ALIASES.get(str(precision), str(precision))
+    if name in PRECISIONS:
+        return name
+    if name in UNSUPPORTED_PRECISIONS:
+        raise MisconfigurationError(
+            f"precision={precision!r} (the whole model in {name[:-5]}) is not supported; use "
+            f"{UNSUPPORTED_PRECISIONS[name]}."
+        )
+    raise MisconfigurationError(f"precision={precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
 
-    return precision_name(precision)
 
-
-def _is_logger(item: Any) -> bool:
-    from torchyard.trainer.logging import Logger
-
-    return isinstance(item, Logger)
+INT_OPTIONS = ("max_steps", "min_epochs", "check_val_every_n_epoch", "reload_dataloaders_every_n_epochs",
+               "num_sanity_val_steps", "accumulate_grad_batches", "log_every_n_steps", "devices", "num_nodes",
+               "lr_warmup_steps", "max_restarts")
+LIMIT_OPTIONS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                 "val_check_interval")
 
 
 def validate(config: TrainerConfig) -> None:
@@ -183,49 +232,68 @@ def validate(config: TrainerConfig) -> None:
     for key in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
         value = getattr(config, key)
         _need(isinstance(value, bool), f"trainer option {key}={value!r} must be True or False.")
-    for key in ("max_steps", "min_epochs", "check_val_every_n_epoch", "reload_dataloaders_every_n_epochs", "num_sanity_val_steps",
-                "accumulate_grad_batches", "log_every_n_steps", "devices", "num_nodes", "lr_warmup_steps", "max_restarts"):
+    for key in INT_OPTIONS:
         value = getattr(config, key)
         _need(_is_int(value), f"trainer option {key}={value!r} must be an integer.")
+    _validate_counts(config)
+    _validate_choices(config)
+    _validate_limits(config)
+
+
+def _validate_counts(config: TrainerConfig) -> None:
     _need(config.max_epochs is None or (_is_int(config.max_epochs) and config.max_epochs >= -1),
           f"max_epochs={config.max_epochs!r} must be an integer >= -1 (-1: no limit).")
     _need(config.max_steps >= -1, f"max_steps={config.max_steps} must be >= -1 (-1: no limit).")
     _need(config.devices >= 1, f"devices={config.devices} must be at least 1.")
     _need(config.num_nodes >= 1, f"num_nodes={config.num_nodes} must be at least 1.")
-    _need(config.accumulate_grad_batches >= 1, f"accumulate_grad_batches={config.accumulate_grad_batches} must be at least 1.")
-    _need(config.check_val_every_n_epoch >= 1, f"check_val_every_n_epoch={config.check_val_every_n_epoch} must be at least 1.")
+    _need(config.accumulate_grad_batches >= 1,
+          f"accumulate_grad_batches={config.accumulate_grad_batches} must be at least 1.")
+    _need(config.check_val_every_n_epoch >= 1,
+          f"check_val_every_n_epoch={config.check_val_every_n_epoch} must be at least 1.")
     _need(config.reload_dataloaders_every_n_epochs >= 0,
           f"reload_dataloaders_every_n_epochs={config.reload_dataloaders_every_n_epochs} must be >= 0 (0: never).")
     _need(config.log_every_n_steps >= 1, f"log_every_n_steps={config.log_every_n_steps} must be at least 1.")
     _need(config.num_sanity_val_steps >= -1, f"num_sanity_val_steps={config.num_sanity_val_steps} must be >= -1.")
     _need(config.max_restarts >= 0, f"max_restarts={config.max_restarts} must be >= 0.")
+
+
+def _validate_choices(config: TrainerConfig) -> None:
     _need(config.nonfinite_loss in NONFINITE_MODES,
           f"nonfinite_loss={config.nonfinite_loss!r} is not known; use one of {', '.join(NONFINITE_MODES)}.")
-    config.precision = _canonical_precision(config.precision)
+    config.precision = precision_name(config.precision)
     _need(config.gradient_clip_algorithm in CLIP_ALGORITHMS,
           f"gradient_clip_algorithm={config.gradient_clip_algorithm!r}; use 'norm' or 'value'.")
-    _need(config.gradient_clip_val is None or (isinstance(config.gradient_clip_val, (int, float)) and config.gradient_clip_val > 0),
-          f"gradient_clip_val={config.gradient_clip_val!r} must be a positive number or unset.")
-    _need(config.lr_scaling in LR_SCALINGS, f"lr_scaling={config.lr_scaling!r} is not known; use one of {', '.join(LR_SCALINGS)}.")
-    _need(isinstance(config.timeout, (int, float)) and config.timeout > 0, f"timeout={config.timeout!r} must be a positive number of seconds.")
-    _need(config.accelerator in ("auto", "cpu", "cuda", "gpu"), f"accelerator={config.accelerator!r}; use 'cpu', 'cuda' or 'auto'.")
+    clip = config.gradient_clip_val
+    _need(clip is None or (isinstance(clip, (int, float)) and clip > 0),
+          f"gradient_clip_val={clip!r} must be a positive number or unset.")
+    _need(config.lr_scaling in LR_SCALINGS,
+          f"lr_scaling={config.lr_scaling!r} is not known; use one of {', '.join(LR_SCALINGS)}.")
+    _need(isinstance(config.timeout, (int, float)) and config.timeout > 0,
+          f"timeout={config.timeout!r} must be a positive number of seconds.")
+    _need(config.accelerator in ("auto", "cpu", "cuda", "gpu"),
+          f"accelerator={config.accelerator!r}; use 'cpu', 'cuda' or 'auto'.")
     _need(config.seed is None or _is_int(config.seed), f"seed={config.seed!r} must be an integer or unset.")
     parse_duration(config.max_time, f"max_time={config.max_time!r}")
-    _need(config.benchmark is None or isinstance(config.benchmark, bool), f"benchmark={config.benchmark!r} must be true, false or unset.")
+    _need(config.benchmark is None or isinstance(config.benchmark, bool),
+          f"benchmark={config.benchmark!r} must be true, false or unset.")
     _need(not (config.benchmark and config.deterministic), "benchmark=True lets cuDNN pick algorithms by speed, which "
           "deterministic=True rules out; set one of them.")
+    for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
+        known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
+        _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
+
+
+def _validate_limits(config: TrainerConfig) -> None:
     _need((_is_int(config.fast_dev_run) and config.fast_dev_run >= 0) or isinstance(config.fast_dev_run, bool),
           f"fast_dev_run={config.fast_dev_run!r} must be true/false or a number of batches (>= 0).")
-    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval"):
+    for key in LIMIT_OPTIONS:
         value = getattr(config, key)
         ok = (_is_int(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0)
         _need(ok, f"{key}={value!r} must be a fraction in [0.0, 1.0] or a batch count (int >= 0).")
-    _need(config.val_check_interval != 0, "val_check_interval=0 would never validate; use a fraction in (0, 1] or a batch count.")
-    _need(config.limit_train_batches != 0, "limit_train_batches=0 would train on nothing; use a fraction in (0, 1] or a "
-          "batch count >= 1 (to only evaluate, call trainer.validate or trainer.test).")
-    for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
-        known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or _is_logger(item)
-        _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
+    _need(config.val_check_interval != 0,
+          "val_check_interval=0 would never validate; use a fraction in (0, 1] or a batch count.")
+    _need(config.limit_train_batches != 0, "limit_train_batches=0 would train on nothing; use a fraction in (0, 1] or "
+          "a batch count >= 1 (to only evaluate, call trainer.validate or trainer.test).")
 
 
 # --------------------------------------------------------------------------- documentation and run records
@@ -269,9 +337,13 @@ def update_readme(path: str | Path) -> bool:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise MisconfigurationError(f"--readme {str(path)!r} cannot be read ({reason}); give the README file to update.") from err
+        raise MisconfigurationError(
+            f"--readme {str(path)!r} cannot be read ({reason}); give the README file to update."
+        ) from err
     if readme_reference(text) is None:
-        raise MisconfigurationError(f"{path} has no {README_BEGIN!r} ... {README_END!r} markers to write the table between.")
+        raise MisconfigurationError(
+            f"{path} has no {README_BEGIN!r} ... {README_END!r} markers to write the table between."
+        )
     head, rest = text.split(README_BEGIN, 1)
     tail = rest.split(README_END, 1)[1]
     updated = f"{head}{README_BEGIN}\n{reference_table()}{README_END}{tail}"
@@ -296,8 +368,6 @@ def dump_yaml(plain: Any) -> str:
 
 def save_run_config(path: str | Path, run_config: dict[str, Any]) -> None:
     """Write a run's resolved recipe as YAML, atomically (what `trainer fit <that file>` reruns)."""
-    from torchyard.trainer.logging import _atomic_write_text
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(path, dump_yaml(run_config))
+    atomic_write_text(path, dump_yaml(run_config))

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -83,15 +82,22 @@ def batch_mover(strategy: Strategy, module: TrainModule, datamodule: DataModule 
     def move(batch: Any) -> Any:
         if before is not None:
             batch = before(batch, dataloader_idx)
-        batch = strategy.batch_to_device(batch) if transfer is None else transfer(batch, strategy.root_device, dataloader_idx)
+        batch = (
+            strategy.batch_to_device(batch)
+            if transfer is None
+            else transfer(batch, strategy.root_device, dataloader_idx)
+        )
         return batch if after is None else after(batch, dataloader_idx)
 
     return move
 
 
 def _transfer_hook(name: str, module: TrainModule, datamodule: DataModule | None) -> Callable[..., Any] | None:
-    hooks = [hook for hook in (overridden(datamodule, name, BatchTransferHooks), overridden(module, name, BatchTransferHooks))
-             if hook is not None]
+    hooks = [
+        hook
+        for hook in (overridden(datamodule, name, BatchTransferHooks), overridden(module, name, BatchTransferHooks))
+        if hook is not None
+    ]
     if len(hooks) == 2:
         warnings.warn(f"both {type(datamodule).__name__} and {type(module).__name__} define {name}; the datamodule's "
                       "is called, as in Lightning.", stacklevel=2)
@@ -206,7 +212,7 @@ class WorkerInit:
             self.user_init(worker_id)
 
 
-def _loader_kwargs(loader: DataLoader, pin_memory: bool | None) -> dict[str, Any]:
+def loader_kwargs(loader: DataLoader, pin_memory: bool | None) -> dict[str, Any]:
     user_init = loader.worker_init_fn
     kwargs: dict[str, Any] = {
         "num_workers": loader.num_workers,
@@ -254,7 +260,7 @@ def prepare_loader(
         # A custom batch_sampler: shard its batches instead of its indices.
         batch_sampler = (ShardedSampler(loader.batch_sampler, num_replicas, rank, padded=train) if num_replicas > 1
                          else loader.batch_sampler)
-        return DataLoader(loader.dataset, batch_sampler=batch_sampler, **_loader_kwargs(loader, pin_memory))
+        return DataLoader(loader.dataset, batch_sampler=batch_sampler, **loader_kwargs(loader, pin_memory))
     user_sampler = loader.sampler
     if train and isinstance(user_sampler, (RandomSampler, SequentialSampler)):
         sampler: Sampler[int] = DistributedSampler(
@@ -264,14 +270,18 @@ def prepare_loader(
     elif num_replicas > 1:
         if isinstance(user_sampler, RandomSampler) and user_sampler.generator is None:
             # Each rank would draw its own order, and their slices would overlap: all draw the same one.
-            user_sampler = RandomSampler(loader.dataset, replacement=user_sampler.replacement,
-                                         num_samples=user_sampler._num_samples, generator=torch.Generator().manual_seed(seed))
+            user_sampler = RandomSampler(
+                loader.dataset,
+                replacement=user_sampler.replacement,
+                num_samples=user_sampler._num_samples,
+                generator=torch.Generator().manual_seed(seed),
+            )
         sampler = ShardedSampler(user_sampler, num_replicas, rank, padded=train)
     else:
         sampler = user_sampler
     batch_sampler_cls = ResumableBatchSampler if train else BatchSampler
     batch_sampler = batch_sampler_cls(sampler, loader.batch_size, loader.drop_last)
-    kwargs = _loader_kwargs(loader, pin_memory)
+    kwargs = loader_kwargs(loader, pin_memory)
     if train and kwargs["generator"] is None:
         # Each iterator draws its workers' base seed from this generator; from the global RNG instead,
         # a run resumed mid-epoch would draw once more than the uninterrupted run and diverge.
@@ -367,111 +377,6 @@ def _timed_head(batches: Iterator[Any], window: int, report: Callable[[float, fl
         report(waited / (time.perf_counter() - started), waited / measured)
 
 
-def shard_batches(loader: DataLoader) -> tuple[int, list[int]] | None:
-    """(how many batches the loader had before `prepare_loader` sliced it into this rank's `loader`, each
-    data-parallel rank's batch count of its slice): every rank can work them all out alone. None where the
-    loader was not sliced (every rank runs it whole)."""
-    batch_sampler = loader.batch_sampler
-    if isinstance(batch_sampler, ShardedSampler):  # a custom batch_sampler: whole batches were dealt out
-        whole, replicas = batch_sampler.sampler, batch_sampler.num_replicas
-        return len(whole), [len(ShardedSampler(whole, replicas, rank)) for rank in range(replicas)]  # type: ignore[arg-type]
-    sampler = getattr(batch_sampler, "sampler", None)
-    if not isinstance(sampler, ShardedSampler):
-        return None
-    whole, replicas = sampler.sampler, sampler.num_replicas
-    return (_batches_of(len(whole), batch_sampler),  # type: ignore[arg-type]
-            [_batches_of(len(ShardedSampler(whole, replicas, rank)), batch_sampler) for rank in range(replicas)])
-
-
-def _batches_of(samples: int, batch_sampler: BatchSampler) -> int:
-    size = batch_sampler.batch_size
-    return samples // size if batch_sampler.drop_last else math.ceil(samples / size)
-
-
-class _RecordingBatchSampler:
-    """A batch sampler that also appends each batch of indices it hands the loader to `drawn` (the loader draws
-    them in the main process, ahead of the batches when workers prefetch, so batch i's are `drawn[i]`)."""
-
-    def __init__(self, batch_sampler: Any) -> None:
-        self.batch_sampler, self.drawn = batch_sampler, []
-
-    def __iter__(self) -> Iterator[Any]:
-        for indices in self.batch_sampler:
-            self.drawn.append(list(indices))
-            yield indices
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-
-def recording_batch_indices(loader: DataLoader) -> tuple[DataLoader, list[list[int]] | None]:
-    """A loader giving the same batches as `loader`, and the list that the dataset indices of each batch it
-    yields are appended to; `loader` itself and None where they cannot be known (an IterableDataset, a
-    DataLoader subclass, a loader without a batch sampler)."""
-    if (type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset)
-            or loader.batch_sampler is None):
-        return loader, None
-    recording = _RecordingBatchSampler(loader.batch_sampler)
-    return DataLoader(loader.dataset, batch_sampler=recording, **_loader_kwargs(loader, None)), recording.drawn
-
-
-def merge_prediction_shares(shares: list[list[Any]], loader: DataLoader) -> list[Any]:
-    """One loader's predictions from every data-parallel rank (`shares[r]`: rank r's batch outputs, from its
-    slice of `loader`) as one process would have made them: in the loader's order, in its batch size.
-
-    Evaluation loaders give rank r every world_size-th sample (or batch) from position r (ShardedSampler), so
-    a sample's position is known from its rank and place. Re-cutting batches needs outputs that are tensors
-    (or lists, tuples, dicts of them) with one row per sample; other outputs come back batch by batch in
-    turn over the ranks, with a warning. A loader the trainer did not shard ran whole on every rank: rank 0's
-    outputs are returned.
-    """
-    replicas, batch_sampler = len(shares), loader.batch_sampler
-    if isinstance(batch_sampler, ShardedSampler):  # a custom batch_sampler: whole batches were dealt out
-        return _interleave_batches(shares)
-    if not isinstance(getattr(batch_sampler, "sampler", None), ShardedSampler):
-        return shares[0]
-    batch_size, ordered = batch_sampler.batch_size, batch_sampler.sampler.sampler
-    tables = {rank: _rows(share) for rank, share in enumerate(shares) if share}
-    # Rank r's slice holds the positions r, r + replicas, ...; of it, the first len(shares[r]) batches ran.
-    expected = {rank: min(len(shares[rank]) * batch_size, len(ShardedSampler(ordered, replicas, rank))) for rank in tables}
-    rows_per_sample = all(table is not None and table[0][0].shape[0] == expected[rank] for rank, table in tables.items())
-    structures = [table[1] for table in tables.values() if table is not None]
-    if not rows_per_sample or any(structure != structures[0] for structure in structures):
-        warnings.warn(
-            f"predict_step's outputs are not tensors with one row per sample, so the {replicas} ranks' "
-            "predictions cannot be put back in dataset order: they come batch by batch, in turn over the ranks.",
-            stacklevel=2,
-        )
-        return _interleave_batches(shares)
-    if not tables:
-        return []
-    positions = torch.cat([rank + replicas * torch.arange(expected[rank]) for rank in tables])
-    order = positions.argsort()
-    columns = [table[0] for table in tables.values() if table is not None]
-    leaves = [torch.cat([rank_columns[leaf] for rank_columns in columns])[order] for leaf in range(len(columns[0]))]
-    return [pytree.tree_unflatten(list(batch), structures[0]) for batch in zip(*(leaf.split(batch_size) for leaf in leaves))]
-
-
-def _interleave_batches(shares: list[list[Any]]) -> list[Any]:
-    """Batch b of one pass came from rank b % len(shares)."""
-    return [share[index] for index in range(max(map(len, shares), default=0)) for share in shares if index < len(share)]
-
-
-def _rows(share: list[Any]) -> tuple[list[torch.Tensor], Any] | None:
-    """A rank's outputs as per-leaf tensors of all its samples, and their common structure; None when some
-    output is not made of tensors with one row per sample."""
-    structure = pytree.tree_flatten(share[0])[1]
-    columns: list[list[torch.Tensor]] = [[] for _ in range(structure.num_leaves)]
-    for output in share:
-        leaves, spec = pytree.tree_flatten(output)
-        sizes = {leaf.shape[0] if isinstance(leaf, torch.Tensor) and leaf.ndim else None for leaf in leaves}
-        if spec != structure or not leaves or None in sizes or len(sizes) > 1:
-            return None
-        for column, leaf in zip(columns, leaves):
-            column.append(leaf)
-    return [torch.cat(column) for column in columns], structure
-
-
 def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
     """Normalise None / a loader / a list of loaders to a list, with a clear error for anything else."""
     if loaders is None:
@@ -483,7 +388,12 @@ def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
     raise MisconfigurationError(f"{what} must be a DataLoader or a list of them, got {type(loaders).__name__}.")
 
 
-STAGE_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+STAGE_LOADERS = {
+    "fit": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
 _LOADER_NAMES = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
@@ -492,15 +402,25 @@ def own_loader(module: TrainModule, name: str) -> Callable[[], Any] | None:
     return getattr(module, name) if callable(getattr(type(module), name, None)) else None
 
 
-def stage_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodule: DataModule | None,
-                  loaders: tuple[Any, ...], seed: int, datamodule_state: dict[str, Any] | None = None) -> list[DataLoader]:
+def stage_loaders(
+    strategy: Strategy,
+    stage: str,
+    module: TrainModule,
+    datamodule: DataModule | None,
+    loaders: tuple[Any, ...],
+    seed: int,
+    datamodule_state: dict[str, Any] | None = None,
+) -> list[DataLoader]:
     """The stage's data, in Lightning's order: prepare_data (once per node), the datamodule's setup, then the
     module's, then the loaders (for fit: training first, then validation) from `loaders`, else the datamodule,
     else the module's own hooks, each prepared for this rank by `strategy`. A checkpoint's `datamodule_state`
     is loaded after the datamodule's setup and before it builds the loaders, which may depend on it. Rank 0
     warns about workers that the node's processes start together beyond its cores."""
-    preparers = [owner.prepare_data for owner in (datamodule, module)
-                 if owner is not None and type(owner).prepare_data not in (DataModule.prepare_data, TrainModule.prepare_data)]
+    preparers = [
+        owner.prepare_data
+        for owner in (datamodule, module)
+        if owner is not None and type(owner).prepare_data not in (DataModule.prepare_data, TrainModule.prepare_data)
+    ]
     if preparers:  # every rank sees the same classes, so all of them wait here or none does
         for prepare_data in preparers if strategy.local_rank == 0 else ():
             prepare_data()

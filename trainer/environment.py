@@ -233,7 +233,9 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironme
     return local_environment(env)
 
 
-def resolve_environment(choice: str | ClusterEnvironment | None, env: Mapping[str, str] | None = None) -> ClusterEnvironment:
+def resolve_environment(
+    choice: str | ClusterEnvironment | None, env: Mapping[str, str] | None = None
+) -> ClusterEnvironment:
     """`choice` as given (an instance), the named launcher's reading, or detection when None."""
     if isinstance(choice, ClusterEnvironment):
         return choice
@@ -244,11 +246,14 @@ def resolve_environment(choice: str | ClusterEnvironment | None, env: Mapping[st
         return local_environment(env)
     if choice not in DETECTORS:
         raise MisconfigurationError(
-            f"environment={choice!r} is not known; use one of {', '.join([*DETECTORS, 'local'])} or a ClusterEnvironment."
+            f"environment={choice!r} is not known; use one of {', '.join([*DETECTORS, 'local'])} or a "
+            "ClusterEnvironment."
         )
     found = DETECTORS[choice](env)
     if found is None:
-        raise MisconfigurationError(f"environment={choice!r} was asked for, but its variables are not set in this process.")
+        raise MisconfigurationError(
+            f"environment={choice!r} was asked for, but its variables are not set in this process."
+        )
     return found
 
 

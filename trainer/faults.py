@@ -69,7 +69,9 @@ class StepGuard:
         # One process started by hand: a second Ctrl-C is the user insisting (see the module docstring).
         self._second_sigint_stops = not strategy.environment.launched and strategy.world_size == 1
         if threading.current_thread() is threading.main_thread():  # signal.signal works there only
-            self._previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+            self._previous_handlers = {
+                sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+            }
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

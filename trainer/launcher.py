@@ -208,7 +208,9 @@ def _refuse_unguarded_main(job_size: int) -> None:
         # We are a worker re-importing a script whose guard the check below could not see.
         raise SystemExit(f"trainer: the script started the job again while a worker imported it; {GUARD_HINT}.")
     frame = inspect.currentframe()
-    while frame is not None and not (frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>"):
+    while frame is not None and not (
+        frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>"
+    ):
         frame = frame.f_back
     if frame is None:
         return  # called from an interactive session or `python -c`: nothing is re-imported
@@ -218,7 +220,11 @@ def _refuse_unguarded_main(job_size: int) -> None:
     if tree is None:
         return
     for node in tree.body:
-        if isinstance(node, ast.If) and _tests_dunder_name(node.test) and node.lineno <= line <= (node.end_lineno or line):
+        if (
+            isinstance(node, ast.If)
+            and _tests_dunder_name(node.test)
+            and node.lineno <= line <= (node.end_lineno or line)
+        ):
             return
     raise MisconfigurationError(
         f"{path}:{line} starts a {job_size}-process job at the top level of the script, but every worker process "
@@ -362,7 +368,11 @@ def _restored_process_state() -> Iterator[None]:
 @contextlib.contextmanager
 def _quiet_agent_logs() -> Iterator[None]:
     """Silence the agent's own logging (each failing worker, each shutdown step); failures are raised here."""
-    names = [name for name in logging.root.manager.loggerDict if name.startswith(("torch.distributed", "torch.multiprocessing"))]
+    names = [
+        name
+        for name in logging.root.manager.loggerDict
+        if name.startswith(("torch.distributed", "torch.multiprocessing"))
+    ]
     loggers = [logging.getLogger(name) for name in names]
     saved = [logger.level for logger in loggers]
     for logger in loggers:
@@ -381,7 +391,11 @@ def _record_failure(workdir: Path, environment: ClusterEnvironment, err: BaseExc
     """Leave this worker's exception where the launching process looks for it."""
     rank = environment.global_rank
     record: dict[str, Any] = {
-        "rank": rank, "attempt": environment.restart_count, "time": time.time(), "type": type(err).__name__, "message": str(err),
+        "rank": rank,
+        "attempt": environment.restart_count,
+        "time": time.time(),
+        "type": type(err).__name__,
+        "message": str(err),
         "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__)),
     }
     with contextlib.suppress(Exception):
@@ -407,7 +421,9 @@ def _job_failure(err: ChildFailedError, workdir: Path, world_size: int, shown_ra
     if killed or not records:
         rank = killed[0] if killed else err.get_first_failure()[0]
         failure = err.failures[rank]
-        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        how = (
+            f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        )
         return RuntimeError(f"rank {rank} of {world_size} {how}, so the job was stopped.{output}"), True
     record = min(records, key=lambda r: r["time"])
     rank = record["rank"]

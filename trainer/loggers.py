@@ -99,7 +99,7 @@ def hparams_yaml(params: Mapping[str, Any]) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(plain(params)))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="") as f:
         f.write(text)
@@ -134,7 +134,7 @@ class CSVLogger(Logger):
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
+        atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
 
     def save(self) -> None:
         if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
@@ -149,7 +149,7 @@ class CSVLogger(Logger):
             writer = csv.DictWriter(buffer, fieldnames=columns)
             writer.writeheader()
             writer.writerows(self.rows)
-            _atomic_write_text(self.metrics_path, buffer.getvalue())
+            atomic_write_text(self.metrics_path, buffer.getvalue())
             self._columns = columns
         else:
             with open(self.metrics_path, "a", newline="") as f:
@@ -198,7 +198,9 @@ class TensorBoardLogger(Logger):
         try:
             import tensorboard  # noqa: F401
         except ImportError as err:
-            raise MisconfigurationError("TensorBoardLogger needs tensorboard: pip install 'torchyard[tensorboard]'.") from err
+            raise MisconfigurationError(
+                "TensorBoardLogger needs tensorboard: pip install 'torchyard[tensorboard]'."
+            ) from err
         self._writer = None
 
     @property

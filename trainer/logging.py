@@ -18,7 +18,7 @@ from torchyard.trainer.loggers import (  # noqa: F401
     CSVLogger,
     Logger,
     TensorBoardLogger,
-    _atomic_write_text,
+    atomic_write_text,
     hparams_yaml,
     print_results_table,
 )
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from torchyard.trainer.loop import Progress
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
-_HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))  # a set: `in` a tuple compares dtypes with ==, slower per step
+# A set: `in` a tuple compares dtypes with ==, slower per step
+_HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))
 
 
 def _is_metric(value: Any) -> bool:
@@ -38,7 +39,7 @@ def _is_metric(value: Any) -> bool:
     return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
 
 
-def _batch_value(metric: Metric) -> torch.Tensor:
+def batch_value(metric: Metric) -> torch.Tensor:
     # torchmetrics keeps the value of the last forward() in a private attribute; it is the only way to
     # log a Metric's per-batch value without computing it twice (Lightning reads the same attribute).
     cached = getattr(metric, "_forward_cache", None)
@@ -153,11 +154,13 @@ class MetricCollector:
             tensor = value.data if value.requires_grad else value
         elif not isinstance(value, torch.Tensor) and _is_metric(value):
             # A Metric keeps its own epoch state and syncs it in compute(); only its batch value is taken here.
-            entry.metric, tensor, sync_dist, on_epoch = value, _batch_value(value).detach() if on_step else None, False, False
+            entry.metric, sync_dist, on_epoch = value, False, False
+            tensor = batch_value(value).detach() if on_step else None
         else:
             tensor = _to_tensor(name, value)
         if tensor is not None and tensor.dtype in _HALF_DTYPES:
-            tensor = tensor.float()  # as in Lightning, values are float32 whatever the precision: an epoch's sum needs its range
+            # As in Lightning, values are float32 whatever the precision: an epoch's sum needs its range
+            tensor = tensor.float()
         if on_step:
             # Evaluation ranks may run one batch more or fewer than each other (every sample counts once), so an
             # evaluation step's per-batch value is this rank's own: a reduction there could wait forever.
@@ -179,7 +182,9 @@ class MetricCollector:
             elif reduce_fx == "sum":
                 entry.total = entry.total + tensor
             else:
-                entry.total = torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
+                entry.total = (
+                    torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
+                )
             entry.weight += weight
 
     def _add(self, stage: str, name: str, entry: _Entry, loader_suffix: str = "") -> _Entry:
@@ -241,7 +246,8 @@ class MetricCollector:
             total_and_weight = self._reduce(total_and_weight, "sum")
         return total_and_weight[0] / total_and_weight[1]
 
-    _SAVED_FIELDS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight", "updated")
+    _SAVED_FIELDS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "total", "weight",
+                     "updated")
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """The running epoch aggregates of plain values, so an epoch resumed mid-way reports whole-epoch values.

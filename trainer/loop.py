@@ -17,16 +17,14 @@ from torchyard.trainer.data import (
     batch_mover,
     data_wait_advice,
     measure_data_wait,
-    merge_prediction_shares,
-    recording_batch_indices,
     set_epoch,
-    shard_batches,
     skip_batches,
 )
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.faults import StepGuard
 from torchyard.trainer.loop_state import Progress
 from torchyard.trainer.optim import SchedulerConfig, step_scheduler
+from torchyard.trainer.predictions import merge_prediction_shares, recording_batch_indices, shard_batches
 from torchyard.trainer.rng import rng_state, seeded, set_rng_state
 from torchyard.trainer.step import TrainStep
 from torchyard.trainer.strategies.base import move_to_device
@@ -40,7 +38,9 @@ __all__ = ["Progress", "batch_limit", "evaluation_loop", "fit_loop", "predict_lo
 # --------------------------------------------------------------------------- fit
 
 
-def fit_loop(trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataLoader], guard: StepGuard | None = None) -> None:
+def fit_loop(
+    trainer: Trainer, train_loader: DataLoader, val_loaders: list[DataLoader], guard: StepGuard | None = None
+) -> None:
     """Epochs of training with validation at the configured points."""
     fit = FitEpochs(trainer, train_loader, val_loaders, guard or StepGuard(trainer))
     fit.sanity_check()
@@ -213,7 +213,9 @@ def _use_loaders(trainer: Trainer, val_loaders: list[DataLoader]) -> tuple[int |
     """The training batches per epoch, the validation loaders in use and the batches between validations."""
     num_batches, config = trainer.num_training_batches, trainer.config  # counted before configure_optimizers
     if num_batches == 0:
-        raise MisconfigurationError("the training dataloader yields no batches (empty dataset or limit_train_batches=0).")
+        raise MisconfigurationError(
+            "the training dataloader yields no batches (empty dataset or limit_train_batches=0)."
+        )
     if config.limit_val_batches == 0:
         val_loaders = []  # validation turned off, sanity check included, as in Lightning
     trainer.loop_state.val_dataloaders = val_loaders
@@ -241,9 +243,12 @@ def _warn_if_no_step_is_logged(trainer: Trainer) -> None:
         return
     steps = trainer.estimated_stepping_batches
     if steps < config.log_every_n_steps:
-        warnings.warn(f"this fit takes {steps} optimizer steps, fewer than log_every_n_steps={config.log_every_n_steps}, "
-                      "so its loggers get no per-step values (epoch values are written); set log_every_n_steps lower "
-                      "to see them.", stacklevel=5)
+        warnings.warn(
+            f"this fit takes {steps} optimizer steps, fewer than log_every_n_steps={config.log_every_n_steps}, "
+            "so its loggers get no per-step values (epoch values are written); set log_every_n_steps lower "
+            "to see them.",
+            stacklevel=5,
+        )
 
 
 def _report_data_wait(trainer: Trainer, share: float, wait: float) -> None:
@@ -435,7 +440,9 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
         return results
     # Tensors travel as pickles: on the CPU, so that a rank unpickles none onto another rank's GPU.
     shares = strategy.gather_data_parallel(move_to_device(results, torch.device("cpu")))
-    merged = [merge_prediction_shares([share[index] for share in shares], loader) for index, loader in enumerate(loaders)]
+    merged = [
+        merge_prediction_shares([share[index] for share in shares], loader) for index, loader in enumerate(loaders)
+    ]
     return [batches if keep is None else batches[:keep] for batches, keep in zip(merged, kept)]
 
 

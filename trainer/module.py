@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,12 +11,44 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torchyard.trainer.batches import move_to_device
+from torchyard.trainer.checkpoint import load_checkpoint_file, weights_mismatch
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest
 from torchyard.trainer.optim import CLIP_ALGORITHMS
 
 if TYPE_CHECKING:
     from torchyard.callbacks.base import Callback
     from torchyard.trainer.trainer import Trainer
+
+
+def constructor_parameters(
+    cls: type, argless_bases: tuple[type, ...]
+) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
+    """{name: (parameter, type hint)} an instance can be built with, following **kwargs up the MRO.
+
+    The second value is True when the class accepts any keyword: its **kwargs never reach a parent
+    that would check them (they stop at one of `argless_bases`, whose __init__ takes no user arguments).
+    """
+    found: dict[str, tuple[inspect.Parameter, Any]] = {}
+    followed_kwargs = False
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        if klass in argless_bases:
+            return found, followed_kwargs
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # an annotation that does not evaluate: skip type checks, keep the names
+            hints = {}
+        signature = inspect.signature(init)
+        for name, parameter in list(signature.parameters.items())[1:]:
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                found.setdefault(name, (parameter, hints.get(name)))
+        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+            return found, False
+        followed_kwargs = True
+    return found, True
 
 
 class AttributeDict(dict):
@@ -31,13 +64,17 @@ class AttributeDict(dict):
         self[key] = value
 
 
-def init_args(frame: Any, owner: Any, names: tuple[str, ...] = (), ignore: list[str] | str | None = None) -> dict[str, Any]:
+def init_args(
+    frame: Any, owner: Any, names: tuple[str, ...] = (), ignore: list[str] | str | None = None
+) -> dict[str, Any]:
     """The arguments of the __init__ running in `frame` and of every __init__ of `owner` that called it (a
     subclass's, through super().__init__), which save_hyperparameters keeps. The outermost call's values win:
     they are what rebuilding the same class takes."""
     values: dict[str, Any] = {}
     first = frame
-    while frame is not None and (frame is first or frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is owner):
+    while frame is not None and (
+        frame is first or frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is owner
+    ):
         args = inspect.getargvalues(frame)
         own = {name: args.locals[name] for name in args.args if name != "self"}
         if args.keywords:
@@ -90,9 +127,6 @@ class BatchTransferHooks:
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a batch to `device`; the default moves the tensors in (nested) lists, tuples and dicts."""
-        # Imported here, not at the top: the strategies import this module.
-        from torchyard.trainer.strategies.base import move_to_device
-
         return move_to_device(batch, device, non_blocking=device.type == "cuda")
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -218,7 +252,8 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Step the optimizer (automatic optimization); override to act around the step, e.g. a learning-rate
         warm-up, as in Lightning. Forward and backward have already run: the closure's first call returns the
-        step's loss; a later call (LBFGS) runs them again. A step the override leaves out still counts in global_step."""
+        step's loss; a later call (LBFGS) runs them again. A step the override leaves out still counts in
+        global_step."""
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
@@ -343,7 +378,9 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         first = shared[0][:2]
         for rank, (other_structure, other_layout, _) in enumerate(shared[1:], start=1):  # decided alike on every rank
             if (other_structure, other_layout) != first:
-                ours, theirs = next(((a, b) for a, b in zip(first[1], other_layout) if a != b), (first[0], other_structure))
+                ours, theirs = next(
+                    ((a, b) for a, b in zip(first[1], other_layout) if a != b), (first[0], other_structure)
+                )
                 raise MisconfigurationError(
                     f"all_gather got {ours} on rank 0 and {theirs} on rank {rank}; every process must gather the same "
                     "structure of tensors with one shape and dtype (pad them to a common shape).")
@@ -382,7 +419,9 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         algorithm = gradient_clip_algorithm or "norm"
         if algorithm not in CLIP_ALGORITHMS:
             raise MisconfigurationError(f"gradient_clip_algorithm={algorithm!r}; use 'norm' or 'value'.")
-        self.trainer.strategy.clip_gradients(getattr(optimizer, "optimizer", optimizer), float(gradient_clip_val), algorithm)
+        self.trainer.strategy.clip_gradients(
+            getattr(optimizer, "optimizer", optimizer), float(gradient_clip_val), algorithm
+        )
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Let only `optimizer`'s parameters take gradients (the others' requires_grad is off until
@@ -409,10 +448,7 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         As in Lightning, saved hparams that `__init__` does not take (set on `self.hparams` later, or a
         parent's) are left out; keyword overrides win over the saved values.
         """
-        from torchyard.trainer.checkpoint import load_checkpoint_file, weights_mismatch
-        from torchyard.trainer.recipe import init_parameters
-
-        parameters, takes_any = init_parameters(cls)
+        parameters, takes_any = constructor_parameters(cls, (object, nn.Module, TrainModule))
         for key in hparam_overrides:
             if not takes_any and key not in parameters:
                 raise MisconfigurationError(
@@ -420,7 +456,11 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
                     f"{closest(key, parameters)}; it takes {', '.join(parameters) or 'no arguments'}."
                 )
         checkpoint = load_checkpoint_file(checkpoint_path, map_location=map_location)
-        saved = {key: value for key, value in checkpoint.get("hparams", checkpoint.get("hyper_parameters", {})).items() if takes_any or key in parameters}
+        saved = {
+            key: value
+            for key, value in checkpoint.get("hparams", checkpoint.get("hyper_parameters", {})).items()
+            if takes_any or key in parameters
+        }
         for key in checkpoint.get("hparams_repr", ()):  # older checkpoints do not record them
             if key in saved and key not in hparam_overrides:
                 raise MisconfigurationError(
@@ -434,7 +474,9 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
         except RuntimeError as err:  # torch lists every key; say what differs in one line
             differences = weights_mismatch(module.state_dict(), checkpoint["state_dict"], err)
-            raise CheckpointError(f"checkpoint {str(checkpoint_path)!r} does not fit {cls.__name__}: {differences}.") from err
+            raise CheckpointError(
+                f"checkpoint {str(checkpoint_path)!r} does not fit {cls.__name__}: {differences}."
+            ) from err
         return module
 
     def __getstate__(self) -> dict[str, Any]:

@@ -38,7 +38,8 @@ class SchedulerConfig:
 
 
 def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
-    """`monitor`: the one given beside the optimizer ({"optimizer", "lr_scheduler", "monitor"}, as Lightning reads it)."""
+    """`monitor`: the one given beside the optimizer ({"optimizer", "lr_scheduler", "monitor"}, as Lightning
+    reads it)."""
     if isinstance(item, Mapping):
         unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau"}
         if "scheduler" not in item or unknown:
@@ -51,13 +52,18 @@ def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
         config = SchedulerConfig(item, monitor=monitor)
     if not is_torch_scheduler(config.scheduler) and not _steppable(config.scheduler):
         raise MisconfigurationError(
-            f"expected an LR scheduler, got {type(config.scheduler).__name__}; a scheduler of another kind (timm's) needs "
-            "step, state_dict and load_state_dict methods and the module's lr_scheduler_step(scheduler, metric) to step it.")
+            f"expected an LR scheduler, got {type(config.scheduler).__name__}; a scheduler of another kind (timm's) "
+            "needs step, state_dict and load_state_dict methods and the module's lr_scheduler_step(scheduler, metric) "
+            "to "
+            "step it."
+        )
     if config.interval not in ("step", "epoch"):
         raise MisconfigurationError(f"lr_scheduler interval={config.interval!r}; use 'step' or 'epoch'.")
     if config.reduce_on_plateau and config.monitor is None:
-        raise MisconfigurationError(f"{type(config.scheduler).__name__} steps on a monitored value: it needs a 'monitor' "
-                                    "key naming a logged metric.")
+        raise MisconfigurationError(
+            f"{type(config.scheduler).__name__} steps on a monitored value: it needs a 'monitor' "
+            "key naming a logged metric."
+        )
     return config
 
 
@@ -94,7 +100,9 @@ class HookedClosure:
     Lightning runs them after each closure call inside an optimizer's step; returns the closure's loss
     (None without a closure: the hooks still run once, for the gradients already there)."""
 
-    def __init__(self, closure: Callable[[], Any] | None, before_step: Callable[[Optimizer], None], optimizer: Optimizer) -> None:
+    def __init__(
+        self, closure: Callable[[], Any] | None, before_step: Callable[[Optimizer], None], optimizer: Optimizer
+    ) -> None:
         self.closure, self.before_step, self.optimizer = closure, before_step, optimizer
 
     def __call__(self) -> Any:
@@ -111,17 +119,22 @@ def check_closure_optimizer(optimizers: list[Optimizer], accumulate_grad_batches
         return
     if len(optimizers) > 1:
         raise MisconfigurationError(
-            f"{kinds[0]} evaluates the loss itself, again and again, so under automatic optimization it must be the only "
-            f"optimizer, but configure_optimizers returned {len(optimizers)}; put every parameter in it, or step them "
-            "yourself with `automatic_optimization = False`.")
+            f"{kinds[0]} evaluates the loss itself, again and again, so under automatic optimization it must be the "
+            f"only optimizer, but configure_optimizers returned {len(optimizers)}; put every parameter in it, or step "
+            "them "
+            "yourself with `automatic_optimization = False`."
+        )
     if accumulate_grad_batches > 1:
         raise MisconfigurationError(
             f"accumulate_grad_batches={accumulate_grad_batches} cannot be used with {kinds[0]}: it evaluates the loss "
-            "again on the step's batch alone, not on the accumulated ones; use accumulate_grad_batches=1 and a larger batch.")
+            "again on the step's batch alone, not on the accumulated ones; use accumulate_grad_batches=1 and a larger "
+            "batch."
+        )
     if precision == "16-mixed":
         raise MisconfigurationError(
-            f"precision='16-mixed' cannot step {kinds[0]}: a grad scaler cannot unscale the gradients of the evaluations "
-            "its step runs itself (as in Lightning); use precision='bf16-mixed' or '32'.")
+            f"precision='16-mixed' cannot step {kinds[0]}: a grad scaler cannot unscale the gradients of the "
+            "evaluations its step runs itself (as in Lightning); use precision='bf16-mixed' or '32'."
+        )
 
 
 def _steppable(scheduler: Any) -> bool:
@@ -155,7 +168,9 @@ def parse_optimizers(output: Any) -> tuple[list[Optimizer], list[SchedulerConfig
 def _checked(optimizers: list[Any]) -> list[Optimizer]:
     for opt in optimizers:
         if not isinstance(opt, Optimizer):
-            raise MisconfigurationError(f"configure_optimizers returned a {type(opt).__name__} where an optimizer belongs.")
+            raise MisconfigurationError(
+                f"configure_optimizers returned a {type(opt).__name__} where an optimizer belongs."
+            )
     if not optimizers:
         raise MisconfigurationError("configure_optimizers returned no optimizer.")
     return optimizers
@@ -180,7 +195,9 @@ class LRScaler:
         """Multiply every group's rate (and the schedulers' base rates) by the factor, once."""
         _multiply_rates(optimizers, schedulers, self.factor)
 
-    def rescale_restored(self, optimizers: list[Optimizer], schedulers: list[SchedulerConfig], saved_factor: float) -> None:
+    def rescale_restored(
+        self, optimizers: list[Optimizer], schedulers: list[SchedulerConfig], saved_factor: float
+    ) -> None:
         """Rates just restored from a checkpoint of a run scaled by `saved_factor` (another data-parallel
         size or accumulation): bring them to this run's factor."""
         _multiply_rates(optimizers, schedulers, self.factor / saved_factor)
@@ -236,9 +253,12 @@ def _multiply_rates(optimizers: list[Optimizer], schedulers: list[SchedulerConfi
             scheduler.eta_min *= ratio
         if not scaled and not is_torch_scheduler(scheduler):
             warnings.warn(
-                f"lr_scaling multiplied the optimizers' learning rates by {ratio:g}, but {type(scheduler).__name__} keeps "
-                "the rates it sets where the Trainer does not know to scale them (torch's base_lrs, timm's base_values), "
-                "so its steps may set unscaled rates; build it with rates multiplied by the same factor.", stacklevel=3)
+                f"lr_scaling multiplied the optimizers' learning rates by {ratio:g}, but {type(scheduler).__name__} "
+                "keeps the rates it sets where the Trainer does not know to scale them (torch's base_lrs, timm's "
+                "base_values), "
+                "so its steps may set unscaled rates; build it with rates multiplied by the same factor.",
+                stacklevel=3,
+            )
 
 
 def step_scheduler(config: SchedulerConfig, metrics: Mapping[str, torch.Tensor],
@@ -269,7 +289,9 @@ class ManualOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; a `closure` (LBFGS) goes to the optimizer itself, which may call it several times."""
         self._trainer.hooks.call("on_before_optimizer_step", self.optimizer)
-        result = self._trainer.strategy.optimizer_step(self.optimizer) if closure is None else self.optimizer.step(closure)
+        result = (
+            self._trainer.strategy.optimizer_step(self.optimizer) if closure is None else self.optimizer.step(closure)
+        )
         self._trainer.progress.global_step += 1
         return result
 
@@ -284,7 +306,9 @@ class HookOptimizer:
     Forward and backward have already run, so the closure's first call returns the step's loss; an optimizer
     that takes a closure (LBFGS, SAM) gets it, and its later calls run them again. The rest is the optimizer's."""
 
-    def __init__(self, optimizer: Optimizer, apply: Callable[..., Any], before_step: Callable[[Optimizer], None]) -> None:
+    def __init__(
+        self, optimizer: Optimizer, apply: Callable[..., Any], before_step: Callable[[Optimizer], None]
+    ) -> None:
         self.optimizer, self._apply, self._before_step = optimizer, apply, before_step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -24,7 +24,9 @@ def find_metrics_file(run_dir: str | Path) -> Path:
     versions = sorted(run_dir.glob("version_*/metrics.csv"), key=lambda p: p.stat().st_mtime)
     if versions:
         return versions[-1]
-    raise MisconfigurationError(f"{str(run_dir)!r} holds no metrics.csv; pass a run folder such as runs/digits/version_0.")
+    raise MisconfigurationError(
+        f"{str(run_dir)!r} holds no metrics.csv; pass a run folder such as runs/digits/version_0."
+    )
 
 
 def read_metrics(path: Path) -> dict[str, tuple[list[int], list[float]]]:
@@ -79,13 +81,17 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
         import matplotlib.pyplot as plt
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
-        raise MisconfigurationError("trainer plot needs matplotlib: pip install 'torchyard[plot]' (or pip install matplotlib).") from err
+        raise MisconfigurationError(
+            "trainer plot needs matplotlib: pip install 'torchyard[plot]' (or pip install matplotlib)."
+        ) from err
 
     output = output_file(output, list(FigureCanvasBase.get_supported_filetypes()))
     runs = {str(run_dir): read_metrics(find_metrics_file(run_dir)) for run_dir in run_dirs}
     metrics = sorted({name for series in runs.values() for name in series})
     if not metrics:
-        raise MisconfigurationError(f"no metrics logged yet in {', '.join(runs)}; plot after a run has logged some steps.")
+        raise MisconfigurationError(
+            f"no metrics logged yet in {', '.join(runs)}; plot after a run has logged some steps."
+        )
     rows, columns = panel_grid(len(metrics))
     figure, axes = plt.subplots(rows, columns, figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows),
                                 dpi=DPI, squeeze=False)

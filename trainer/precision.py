@@ -7,35 +7,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torchyard.trainer.config import (
-    PRECISIONS,  # the option schema owns the value set; importable from here too
-)
+
+# The option schema owns the value set and its names; importable from here too.
+from torchyard.trainer.config import PRECISION_ALIASES, PRECISIONS, UNSUPPORTED_PRECISIONS, precision_name  # noqa: F401
 from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
 
 NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
-# Lightning's other spellings of the same three, so that a ported Trainer(precision=...) keeps working.
-PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
-# Lightning's whole-model precisions (weights and optimizer state in that dtype), with what to use instead.
-UNSUPPORTED_PRECISIONS = {
-    "16-true": "'16-mixed', which keeps float32 weights and optimizer state",
-    "bf16-true": "'bf16-mixed', which keeps float32 weights and optimizer state",
-    "64-true": "precision='32' with the module cast by you (module.double()) and float64 data",
-}
-
-
-def precision_name(precision: Any) -> str:
-    """The canonical name of `precision` (Lightning's spellings too: 32, "32-true", 16, "bf16"), or a clear
-    error when it names none of PRECISIONS."""
-    name = PRECISION_ALIASES.get(str(precision), str(precision))
-    if name in PRECISIONS:
-        return name
-    if name in UNSUPPORTED_PRECISIONS:
-        raise MisconfigurationError(
-            f"precision={precision!r} (the whole model in {name[:-5]}) is not supported; use {UNSUPPORTED_PRECISIONS[name]}.")
-    raise MisconfigurationError(f"precision={precision!r} is not known; use one of {', '.join(PRECISIONS)}.")
 
 
 def validate_precision(precision: str, device_type: str) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
+from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import TrainerConfig, save_run_config
 from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
@@ -54,8 +55,6 @@ def build_loggers(config: TrainerConfig, spec: Any) -> list[Logger]:
 
 def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> list[Callback]:
     """`callbacks` and those the options add (progress bar, summary, checkpointing, a Timer for max_time)."""
-    from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
-
     kinds = {type(c) for c in callbacks}
     # fast_dev_run turns checkpointing off itself; the checkpoint callbacks a user gives then save nothing.
     for option, kind in (("enable_progress_bar", RichProgressBar), ("enable_checkpointing", ModelCheckpoint)):
@@ -113,7 +112,9 @@ def _check_manual_optimization(config: TrainerConfig, name: str) -> None:
         fixes.append(f"gradient_clip_val={config.gradient_clip_val} (clip in training_step before opt.step(), "
                      "e.g. torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))")
     if config.accumulate_grad_batches != 1:
-        fixes.append(f"accumulate_grad_batches={config.accumulate_grad_batches} (step every n batches in training_step)")
+        fixes.append(
+            f"accumulate_grad_batches={config.accumulate_grad_batches} (step every n batches in training_step)"
+        )
     if config.lr_warmup_steps:
         fixes.append(f"lr_warmup_steps={config.lr_warmup_steps} (set the optimizer's lr in training_step)")
     if fixes:
@@ -146,8 +147,9 @@ def _check_no_uncalled_lightning_hooks(module: TrainModule) -> None:
     if overridden:
         advice = "; ".join(f"{name}: {_UNCALLED_LIGHTNING_HOOKS[name]}" for name in overridden)
         raise MisconfigurationError(
-            f"{type(module).__name__} defines {', '.join(overridden)}, Lightning hook(s) this Trainer does not call, so "
-            f"they would silently do nothing. Instead: {advice}.")
+            f"{type(module).__name__} defines {', '.join(overridden)}, Lightning hook(s) this Trainer does not call, "
+            f"so they would silently do nothing. Instead: {advice}."
+        )
 
 
 def one_module(model: TrainModule | None, module: TrainModule | None) -> TrainModule | None:
@@ -193,8 +195,6 @@ def callback_list(value: Any, must: str) -> list[Callback]:
 
 def _checkpointing_last(callbacks: list[Callback]) -> list[Callback]:
     """Checkpointing runs after callbacks that may change what it saves (EarlyStopping's counters)."""
-    from torchyard.callbacks import ModelCheckpoint
-
     return sorted(callbacks, key=lambda c: isinstance(c, ModelCheckpoint))
 
 

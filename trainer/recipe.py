@@ -114,7 +114,9 @@ def load_recipe(sources: Sequence[str | Path]) -> Recipe:
     merged: DictConfig = OmegaConf.create({"trainer": OmegaConf.structured(TrainerConfig)})
     dropped: list[str] = []  # warnings for callbacks a later list replaced: given once the recipe is valid
     if not any(not is_override(str(source)) for source in sources):
-        raise MisconfigurationError("no recipe file given; e.g. `trainer fit recipes/digits.yaml trainer.max_epochs=3`.")
+        raise MisconfigurationError(
+            "no recipe file given; e.g. `trainer fit recipes/digits.yaml trainer.max_epochs=3`."
+        )
     for source in map(str, sources):
         if is_override(source) and source.startswith(APPEND + "="):
             _append_callbacks(merged, _parse_override_value(source), f"override {source!r}")
@@ -141,7 +143,9 @@ def _fill_defaults(merged: DictConfig) -> None:
     """Write each class's signature defaults into its init_args, so `${model.init_args.x}` finds them too."""
     entries = [(section, merged.get(section)) for section in ("model", "data")]
     callbacks = merged.get("callbacks")
-    entries += [(f"callbacks.{i}", item) for i, item in enumerate(callbacks if isinstance(callbacks, ListConfig) else [])]
+    entries += [
+        (f"callbacks.{i}", item) for i, item in enumerate(callbacks if isinstance(callbacks, ListConfig) else [])
+    ]
     for where, entry in entries:
         if not isinstance(entry, DictConfig) or OmegaConf.is_interpolation(entry, "class_path"):
             continue  # malformed, or known only after resolution: _build checks those
@@ -211,7 +215,9 @@ def read_recipe_file(path_text: str) -> DictConfig:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         problem = " ".join(str(part) for part in (err.context, err.problem) if part)
-        raise MisconfigurationError(f"{path_text}: YAML syntax error at {where}: {problem}; fix the YAML there.") from err
+        raise MisconfigurationError(
+            f"{path_text}: YAML syntax error at {where}: {problem}; fix the YAML there."
+        ) from err
     except UnicodeDecodeError as err:
         raise MisconfigurationError(f"{path_text}: not UTF-8 text ({err.reason} at byte {err.start}); save it as "
                                     "UTF-8 (a shell or editor may have written UTF-16).") from err
@@ -223,7 +229,13 @@ def read_recipe_file(path_text: str) -> DictConfig:
     for keys, text in _base_60_scalars(yaml.compose(source, Loader=yaml.SafeLoader)):
         parent: Any = loaded
         for key in keys[:-1]:
-            parent = parent.get(key) if isinstance(parent, DictConfig) else parent[key] if isinstance(parent, ListConfig) else None
+            parent = (
+                parent.get(key)
+                if isinstance(parent, DictConfig)
+                else parent[key]
+                if isinstance(parent, ListConfig)
+                else None
+            )
         if isinstance(parent, ListConfig) or isinstance(parent, DictConfig) and keys[-1] in parent:
             parent[keys[-1]] = text  # YAML 1.1 reads `max_time: 1:12:00:00` as 259200 (base 60): a duration is meant
     return loaded
@@ -290,7 +302,9 @@ def _check_path(parts: list[str], source: str) -> None:
                                     "`trainer config --reference` lists them all.")
     if head == "callbacks" and rest:
         if not rest[0].isdigit():
-            raise MisconfigurationError(f"{source}: callbacks is a list; address an entry as callbacks.<index>.init_args.<name>.")
+            raise MisconfigurationError(
+                f"{source}: callbacks is a list; address an entry as callbacks.<index>.init_args.<name>."
+            )
         rest = rest[1:]
     if head in ("model", "data", "callbacks") and rest and rest[0] not in CLASS_KEYS:
         bad_key = ".".join(parts[: len(parts) - len(rest) + 1])
@@ -394,9 +408,13 @@ def _build(resolved: dict[str, Any]) -> Recipe:
 def class_spec(where: str, entry: Any, base: type) -> ClassSpec:
     """Check one class entry: the class imports, subclasses `base`, and takes exactly these init_args."""
     if not isinstance(entry, Mapping) or not isinstance(entry.get("class_path"), str):
-        raise MisconfigurationError(f"{where} needs class_path: <module>.<Class> (a {base.__name__} subclass); got {entry!r}.")
+        raise MisconfigurationError(
+            f"{where} needs class_path: <module>.<Class> (a {base.__name__} subclass); got {entry!r}."
+        )
     init_args = entry.get("init_args") or {}
     if not isinstance(init_args, Mapping):
-        raise MisconfigurationError(f"{where}.init_args must be a mapping of argument names to values; got {init_args!r}.")
+        raise MisconfigurationError(
+            f"{where}.init_args must be a mapping of argument names to values; got {init_args!r}."
+        )
     cls = import_class(where, entry["class_path"], base)
     return ClassSpec(where, entry["class_path"], cls, check_init_args(where, cls, dict(init_args)))

@@ -37,7 +37,9 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint
     if ckpt_path == "best":
         best = getattr(trainer.checkpoint_callback, "best_model_path", "")
         if not best:
-            raise MisconfigurationError('ckpt_path="best" needs a ModelCheckpoint with a monitor that has saved a checkpoint.')
+            raise MisconfigurationError(
+                'ckpt_path="best" needs a ModelCheckpoint with a monitor that has saved a checkpoint.'
+            )
         return Path(best)
     if ckpt_path == "last":
         found = _last_checkpoint_folder(trainer)
@@ -46,7 +48,9 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint
             return NewestCheckpoint(found)
         if trainer.module is not None:
             folder = getattr(trainer.checkpoint_callback, "dirpath", None)
-            missing = f'ckpt_path="last": the run of this Trainer saved no checkpoint{f" in {folder}" if folder else ""}'
+            missing = (
+                f'ckpt_path="last": the run of this Trainer saved no checkpoint{f" in {folder}" if folder else ""}'
+            )
             advice = "give a checkpoint's path, or resume with a new Trainer to pick the newest run's last.ckpt."
         else:
             places = " or ".join(str(folder / pattern) for folder, pattern in _last_checkpoint_places(trainer))
@@ -72,8 +76,11 @@ def default_ckpt_path(trainer: Trainer, stage: str, module: TrainModule | None, 
     best = getattr(trainer.checkpoint_callback, "best_model_path", "")
     if module is not None or ckpt_path is not None or trainer.module is None or not best:
         return ckpt_path
-    warnings.warn(f"Trainer.{stage} was called without a module: it uses the previous fit's best checkpoint, "
-                  f"{best}; pass ckpt_path='last' (or a path), or the module, to choose.", stacklevel=2 + calls_below_user)
+    warnings.warn(
+        f"Trainer.{stage} was called without a module: it uses the previous fit's best checkpoint, "
+        f"{best}; pass ckpt_path='last' (or a path), or the module, to choose.",
+        stacklevel=2 + calls_below_user,
+    )
     return "best"
 
 
@@ -81,7 +88,11 @@ def _last_checkpoint_places(trainer: Trainer) -> list[tuple[Path, str]]:
     """Where a new Trainer looks for last.ckpt, as (folder, glob pattern): its runs' checkpoint folders (under its
     first logger's folder, or default_root_dir/name) and every ModelCheckpoint's own dirpath."""
     logger = trainer.loggers[0] if trainer.loggers else None
-    root = Path(logger.save_dir) / logger.name if logger is not None else Path(trainer.config.default_root_dir) / trainer.config.name
+    root = (
+        Path(logger.save_dir) / logger.name
+        if logger is not None
+        else Path(trainer.config.default_root_dir) / trainer.config.name
+    )
     given = [(c._dirpath_arg, "last*.ckpt") for c in trainer.checkpoint_callbacks if c._dirpath_arg is not None]
     return [(root, "*/checkpoints/last*.ckpt"), *given]
 
@@ -136,7 +147,9 @@ def ranked_checkpoints(folders: Iterable[Path], resumable: bool = True) -> tuple
     return [path for *_, path in ranked], list(unreadable.values())
 
 
-def load_newest(strategy: Strategy, folders: Iterable[Path], resumable: bool = True) -> tuple[Path, dict[str, Any]] | None:
+def load_newest(
+    strategy: Strategy, folders: Iterable[Path], resumable: bool = True
+) -> tuple[Path, dict[str, Any]] | None:
     """Rank 0 picks the best loadable checkpoint in `folders` (ranked_checkpoints), warning about every file that
     does not load (it may have held later steps); every rank loads the choice."""
     choice, checkpoint = None, None
@@ -161,7 +174,9 @@ def load_newest(strategy: Strategy, folders: Iterable[Path], resumable: bool = T
     return Path(choice), checkpoint
 
 
-def load_resume_checkpoint(strategy: Strategy, ckpt: Path | NewestCheckpoint | None, stage: str = "fit") -> dict[str, Any] | None:
+def load_resume_checkpoint(
+    strategy: Strategy, ckpt: Path | NewestCheckpoint | None, stage: str = "fit"
+) -> dict[str, Any] | None:
     """The checkpoint a stage starts from: a given file (errors are the user's to see) or the best good one
     ("last"; a fit needs one it can resume from, an evaluation only weights)."""
     if ckpt is None:
@@ -192,7 +207,11 @@ def resume_after_restart(trainer: Trainer, checkpoint: dict[str, Any] | None) ->
                   file=sys.stderr, flush=True)
         else:
             step = found[1].get("loops", {}).get("progress", {}).get("global_step", "?")
-            print(f"trainer: restart {restarts}: resuming from {found[0]} (global step {step}).", file=sys.stderr, flush=True)
+            print(
+                f"trainer: restart {restarts}: resuming from {found[0]} (global step {step}).",
+                file=sys.stderr,
+                flush=True,
+            )
     if found is None:
         return checkpoint
     for logger, state in zip(trainer.loggers, found[1].get("loggers", [])):

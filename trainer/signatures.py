@@ -13,7 +13,7 @@ from torch import nn
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.data import DataModule
 from torchyard.trainer.errors import MisconfigurationError, closest
-from torchyard.trainer.module import TrainModule
+from torchyard.trainer.module import TrainModule, constructor_parameters
 
 # __init__s that take no user arguments: **kwargs that would reach them are the subclass's own.
 _ARGLESS_BASES = (object, nn.Module, TrainModule, DataModule, Callback)
@@ -23,14 +23,18 @@ def import_class(where: str, class_path: str, base: type) -> type:
     """The class `class_path` names, which must be a subclass of `base`."""
     module_name, _, name = class_path.rpartition(".")
     if not module_name:
-        raise MisconfigurationError(f"{where}.class_path={class_path!r} needs its module, e.g. 'torchyard.recipes.digits.DigitsCNN'.")
+        raise MisconfigurationError(
+            f"{where}.class_path={class_path!r} needs its module, e.g. 'torchyard.recipes.digits.DigitsCNN'."
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
             raise MisconfigurationError(f"{where}.class_path={class_path!r}: no module named {err.name!r}; "
                                         "check the spelling, or install the package that provides it.") from err
-        raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} failed: {err}.") from err
+        raise MisconfigurationError(
+            f"{where}.class_path={class_path!r}: importing {module_name!r} failed: {err}."
+        ) from err
     except Exception as err:  # the user's module raised while importing: show what, in one line
         raise MisconfigurationError(f"{where}.class_path={class_path!r}: importing {module_name!r} raised "
                                     f"{type(err).__name__}: {err}.") from err
@@ -53,8 +57,10 @@ def check_init_args(where: str, cls: type, given: dict[str, Any]) -> dict[str, A
         if name not in parameters:
             if takes_any:
                 continue
-            raise MisconfigurationError(f"{where}.init_args.{name}: {cls.__name__} does not take {name!r}"
-                                        f"{closest(name, parameters)}; it takes {', '.join(parameters) or 'no arguments'}.")
+            raise MisconfigurationError(
+                f"{where}.init_args.{name}: {cls.__name__} does not take {name!r}"
+                f"{closest(name, parameters)}; it takes {', '.join(parameters) or 'no arguments'}."
+            )
         hint = parameters[name][1]
         if hint is not None and not _type_ok(value, hint):
             raise MisconfigurationError(f"{where}.init_args.{name}={value!r}: {cls.__name__} expects "
@@ -73,31 +79,8 @@ def check_init_args(where: str, cls: type, given: dict[str, Any]) -> dict[str, A
 
 
 def init_parameters(cls: type) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
-    """{name: (parameter, type hint)} an instance can be built with, following **kwargs up the MRO.
-
-    The second value is True when the class accepts any keyword: its **kwargs never reach a parent
-    that would check them (they stop at a base whose __init__ takes no user arguments).
-    """
-    found: dict[str, tuple[inspect.Parameter, Any]] = {}
-    followed_kwargs = False
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        if klass in _ARGLESS_BASES:
-            return found, followed_kwargs
-        try:
-            hints = typing.get_type_hints(init)
-        except Exception:  # an annotation that does not evaluate: skip type checks, keep the names
-            hints = {}
-        signature = inspect.signature(init)
-        for name, parameter in list(signature.parameters.items())[1:]:
-            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
-                found.setdefault(name, (parameter, hints.get(name)))
-        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-            return found, False
-        followed_kwargs = True
-    return found, True
+    """{name: (parameter, type hint)} an instance of `cls` can be built with; True when it takes any keyword."""
+    return constructor_parameters(cls, _ARGLESS_BASES)
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

@@ -44,8 +44,9 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, 
     if refused is not None:
         where, value = refused
         raise MisconfigurationError(
-            f"the checkpoint's {where} is a {type(value).__module__}.{type(value).__qualname__}, which checkpoints cannot "
-            "hold: they are read with torch.load(weights_only=True), which refuses it. Store plain Python values, "
+            f"the checkpoint's {where} is a {type(value).__module__}.{type(value).__qualname__}, which checkpoints "
+            "cannot hold: they are read with torch.load(weights_only=True), which refuses it. Store plain Python "
+            "values, "
             "lists, dicts or tensors there instead (e.g. float(x), x.tolist(), torch.as_tensor(x))."
         )
     return checkpoint
@@ -151,7 +152,9 @@ def restore_weights(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
 def restore_optimizers(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """The optimizers' and schedulers' states, and the rates rescaled where this run's lr_scaling factor differs."""
     try:
-        for index, (optimizer, state) in enumerate(zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True)):
+        for index, (optimizer, state) in enumerate(
+            zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True)
+        ):
             _restore_optimizer(trainer, index, optimizer, state)
         restore_schedulers(trainer, checkpoint)
     except (ValueError, KeyError) as err:

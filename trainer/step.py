@@ -123,8 +123,13 @@ class TrainStep:
             if self.module_optimizer_step is not None:
                 # As in Lightning, on_before_optimizer_step and clipping run inside the override's optimizer.step(),
                 # so they see what its body did first (a warm-up's rate), and not at all if it skips the step.
-                apply = (functools.partial(self.lr_scaler.step, global_step=progress.global_step,
-                                           optimizer_step=strategy.optimizer_step) if warming_up else strategy.optimizer_step)
+                apply = (
+                    functools.partial(
+                        self.lr_scaler.step, global_step=progress.global_step, optimizer_step=strategy.optimizer_step
+                    )
+                    if warming_up
+                    else strategy.optimizer_step
+                )
                 hooked = HookOptimizer(optimizer, apply, self._before_optimizer_step)
                 step_closure = StepClosure(self, optimizer, batch, batch_idx, outputs)
                 self.module_optimizer_step(progress.epoch, batch_idx, hooked, step_closure)

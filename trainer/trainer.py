@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torchyard.callbacks import EarlyStopping, ModelCheckpoint
 from torchyard.callbacks.base import Callback
 from torchyard.trainer import faults
 from torchyard.trainer.batches import batch_limit
@@ -69,7 +70,9 @@ class Trainer:
         self.config: TrainerConfig = apply_fast_dev_run(make_config(options))
         # Validated here, in the calling process, before any worker starts.
         self.strategy: Strategy = build_strategy(self.config.strategy)
-        self.strategy.configure(self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision)
+        self.strategy.configure(
+            self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision
+        )
         self.strategy.timeout = float(self.config.timeout)
         self.loggers: list[Logger] = build_loggers(self.config, self.config.logger)
         given = callback_list(callbacks, "callbacks must be")
@@ -259,8 +262,6 @@ class Trainer:
 
     @property
     def early_stopping_callback(self) -> Any:
-        from torchyard.callbacks import EarlyStopping
-
         return next((c for c in self.callbacks if isinstance(c, EarlyStopping)), None)
 
     @property
@@ -277,8 +278,6 @@ class Trainer:
 
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
-        from torchyard.callbacks import ModelCheckpoint
-
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 
     @property
@@ -308,7 +307,8 @@ class Trainer:
     def test(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
              verbose: bool = True, datamodule: DataModule | None = None, *,
              module: TrainModule | None = None) -> list[dict[str, float]]:
-        """Run the test set once; returns the logged epoch metrics, one dict per loader (`verbose`: also prints them)."""
+        """Run the test set once; returns the logged epoch metrics, one dict per loader (`verbose`: also prints
+        them)."""
         return self._evaluate("test", one_module(model, module), dataloaders, datamodule, ckpt_path, verbose)
 
     def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
@@ -323,7 +323,9 @@ class Trainer:
         dataloaders, datamodule = datamodule_given_as_loaders(dataloaders, datamodule)
         datamodule = datamodule or (self.datamodule if dataloaders is None else None)
         check_inputs(self, module, datamodule, "predict", dataloaders)
-        result = self._dispatch("predict", module, datamodule, resolve_ckpt_path(self, ckpt_path, "predict"), dataloaders)
+        result = self._dispatch(
+            "predict", module, datamodule, resolve_ckpt_path(self, ckpt_path, "predict"), dataloaders
+        )
         if result is None:
             return None
         return result[0] if len(result) == 1 else result
@@ -505,7 +507,8 @@ class Trainer:
                 "trainer.save_checkpoint needs a run's state in this process, and here is none: no stage ran yet, or "
                 "the processes this script started have ended with it (optimizers included). "
                 + (f"The run's last checkpoint is {last}; " if last else "")
-                + "call it inside the run (a callback's on_train_end), or save the weights: torch.save(module.state_dict(), path)."
+                + "call it inside the run (a callback's on_train_end), or save the weights: "
+                  "torch.save(module.state_dict(), path)."
             )
         self._metrics.rows.flush()  # saved in on_train_batch_end or on_train_epoch_end: their rows come first
         if self.is_global_zero:

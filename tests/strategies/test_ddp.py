@@ -181,7 +181,9 @@ class GatheringNet(Net):
         x, y = batch
         gathered = self.all_gather({"prediction": self(x), "target": y, "rank": self.global_rank}, sync_grads=True)
         assert gathered["rank"] == [0, 1] and gathered["prediction"].shape == (2, *y.shape)
-        plain = self.all_gather([torch.tensor(self.global_rank), torch.full((2, 3), self.global_rank, dtype=torch.int64)])
+        plain = self.all_gather(
+            [torch.tensor(self.global_rank), torch.full((2, 3), self.global_rank, dtype=torch.int64)]
+        )
         assert torch.equal(plain[0], torch.tensor([0, 1])) and torch.equal(plain[1][:, 0, 0], torch.tensor([0, 1]))
         assert plain[1].shape == (2, 2, 3) and not gathered["target"].requires_grad
         return F.mse_loss(gathered["prediction"], gathered["target"])
@@ -204,8 +206,13 @@ def test_all_gather_with_gradients_trains_as_one_process_on_the_concatenated_bat
     assert_same_weights(module.state_dict(), concatenated_batch_reference(initial_state(), BASE_LR), atol=1e-5)
 
     mismatched = Trainer(strategy="ddp", devices=2, max_steps=1, default_root_dir=str(tmp_path), logger=False, **QUIET)
-    with pytest.raises(MisconfigurationError, match=re.escape("all_gather got ((1,), torch.float32) on rank 0 and ((2,), "
-                                                              "torch.float32) on rank 1; every process must gather")):
+    with pytest.raises(
+        MisconfigurationError,
+        match=re.escape(
+            "all_gather got ((1,), torch.float32) on rank 0 and ((2,), "
+            "torch.float32) on rank 1; every process must gather"
+        ),
+    ):
         mismatched.fit(MismatchedGather(), DataLoader(TRAIN, batch_size=BATCH))
 
 
@@ -311,8 +318,16 @@ def test_a_ddp_checkpoint_resumed_in_one_process_rescales_its_learning_rate(ddp_
     _, trainer, _ = ddp_run
     rate = RateAtStart()
     # lr_scaling="linear" on 2 processes saved rates of 2 x BASE_LR; one process scales by 1.
-    Trainer(strategy="single", max_epochs=EPOCHS, seed=SEED, lr_scaling="linear", logger=False, callbacks=[rate],
-            enable_checkpointing=False, **QUIET).fit(Net(), *loaders(), ckpt_path=trainer.log_dir / "checkpoints" / "epoch=0.ckpt")
+    Trainer(
+        strategy="single",
+        max_epochs=EPOCHS,
+        seed=SEED,
+        lr_scaling="linear",
+        logger=False,
+        callbacks=[rate],
+        enable_checkpointing=False,
+        **QUIET,
+    ).fit(Net(), *loaders(), ckpt_path=trainer.log_dir / "checkpoints" / "epoch=0.ckpt")
     assert rate.rates == [BASE_LR]
     assert "the checkpoint's rates were scaled x2, this run's are x1; rescaled" in capsys.readouterr().out
 
@@ -383,7 +398,10 @@ class RankFileWriter(BasePredictionWriter):
         self.folder = folder
 
     def write_on_epoch_end(self, trainer, module, predictions, batch_indices):
-        torch.save({"predictions": predictions, "indices": batch_indices[0]}, Path(self.folder) / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {"predictions": predictions, "indices": batch_indices[0]},
+            Path(self.folder) / f"rank{trainer.global_rank}.pt",
+        )
 
 
 @pytest.mark.timeout(240)
@@ -551,7 +569,9 @@ def test_unreachable_master_fails_within_the_timeout(monkeypatch):
     set_env(monkeypatch, env)
     started = time.monotonic()
     with pytest.raises(MisconfigurationError, match="rank 1 could not reach the master at 127.0.0.1:.* within 1 s"):
-        Trainer(strategy="ddp", devices=2, timeout=1, logger=False, **QUIET).fit(Net(), DataLoader(TRAIN, batch_size=BATCH))
+        Trainer(strategy="ddp", devices=2, timeout=1, logger=False, **QUIET).fit(
+            Net(), DataLoader(TRAIN, batch_size=BATCH)
+        )
     assert time.monotonic() - started < 20
 
 
@@ -570,7 +590,9 @@ class Unpicklable(Net):
 
 def test_a_module_that_cannot_be_pickled_is_named_before_any_process_starts():
     with pytest.raises(MisconfigurationError, match="pickled copy of the module"):
-        Trainer(strategy="ddp", devices=2, logger=False, **QUIET).fit(Unpicklable(), DataLoader(TRAIN, batch_size=BATCH))
+        Trainer(strategy="ddp", devices=2, logger=False, **QUIET).fit(
+            Unpicklable(), DataLoader(TRAIN, batch_size=BATCH)
+        )
 
 
 class TrainOnly(DataModule):
@@ -578,7 +600,9 @@ class TrainOnly(DataModule):
         return DataLoader(TRAIN, batch_size=BATCH)
 
 
-def test_after_a_fit_in_started_processes_the_caller_tests_on_its_datamodule_and_cannot_save_an_absent_state(monkeypatch):
+def test_after_a_fit_in_started_processes_the_caller_tests_on_its_datamodule_and_cannot_save_an_absent_state(
+    monkeypatch,
+):
     from torchyard.trainer import launcher
 
     started = []

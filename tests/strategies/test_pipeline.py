@@ -35,7 +35,9 @@ BATCH = 8
 
 def dataset(samples: int = 32) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(samples, 4, generator=generator), torch.randint(0, 3, (samples,), generator=generator))
+    return TensorDataset(
+        torch.randn(samples, 4, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
+    )
 
 
 class ChainNet(TrainModule):
@@ -106,10 +108,15 @@ def reference_fit(model: nn.Module, *, epochs: int, replicas: int = 1, clip: flo
             sampler.set_epoch(epoch)
             shards.append(list(sampler))
         for batch, start in enumerate(range(0, len(shards[0]), BATCH)):
-            loss = torch.stack([
-                F.cross_entropy(model(data.tensors[0][shard[start:start + BATCH]]), data.tensors[1][shard[start:start + BATCH]])
-                for shard in shards
-            ]).mean()
+            loss = torch.stack(
+                [
+                    F.cross_entropy(
+                        model(data.tensors[0][shard[start : start + BATCH]]),
+                        data.tensors[1][shard[start : start + BATCH]],
+                    )
+                    for shard in shards
+                ]
+            ).mean()
             (loss * (1.0 / accumulate)).backward()
             losses.append(loss.item())
             if (batch + 1) % accumulate:
@@ -155,9 +162,13 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str) ->
         callbacks = [Record(f"{out}/result.pt")]
         if spec.get("checkpoints"):
             callbacks.append(ModelCheckpoint(dirpath=f"{out}/ckpts", filename="{epoch}", save_top_k=-1, save_last=True))
-        trainer = Trainer(strategy=PipelineStrategy(**spec["strategy"]), devices=world, max_epochs=spec.get("epochs", 2),
-                          callbacks=callbacks, **{**QUIET, "enable_checkpointing": bool(spec.get("checkpoints")),
-                                                  **spec.get("trainer", {})})
+        trainer = Trainer(
+            strategy=PipelineStrategy(**spec["strategy"]),
+            devices=world,
+            max_epochs=spec.get("epochs", 2),
+            callbacks=callbacks,
+            **{**QUIET, "enable_checkpointing": bool(spec.get("checkpoints")), **spec.get("trainer", {})},
+        )
         val = DataLoader(dataset(), batch_size=12) if spec.get("validate") else None
         train = DataLoader(dataset(spec.get("samples", 32)), batch_size=BATCH, shuffle=True)
         trainer.fit(module, train, val, ckpt_path=spec.get("resume"))
@@ -252,7 +263,9 @@ def test_sequential_interleaved_with_clipping_validation_and_predict(tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "predictions.pt"), outputs, rtol=1e-4, atol=1e-5)
     rows = (tmp_path / "runs/default/version_0/metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    train_losses = [float(r.split(",")[header.index("train/loss")]) for r in rows[1:] if r.split(",")[header.index("train/loss")]]
+    train_losses = [
+        float(r.split(",")[header.index("train/loss")]) for r in rows[1:] if r.split(",")[header.index("train/loss")]
+    ]
     assert train_losses == pytest.approx(reference["losses"], abs=1e-5)
 
 
@@ -418,8 +431,11 @@ def test_model_errors_name_the_fix(monkeypatch):
         def backward(self, loss):
             loss.backward(retain_graph=True)
 
-    with pytest.raises(MisconfigurationError, match=r"schedule's backward, stage by stage, so OwnBackward.backward would "
-                                                    r"never be called"):
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"schedule's backward, stage by stage, so OwnBackward.backward would "
+        r"never be called",
+    ):
         trainer.fit(OwnBackward(), DataLoader(dataset(), batch_size=8))
     assert started == []
     configured().check_module(Sampling(), "fit")  # trains and validates on pipeline_loss

@@ -86,7 +86,9 @@ def reference(state: dict[str, torch.Tensor], epochs: range, workers: int,
     optimizer = model.configure_optimizers()
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
-    samplers = [DistributedSampler(TRAIN, num_replicas=workers, rank=r, shuffle=True, seed=SEED) for r in range(workers)]
+    samplers = [
+        DistributedSampler(TRAIN, num_replicas=workers, rank=r, shuffle=True, seed=SEED) for r in range(workers)
+    ]
     for epoch in epochs:
         shards = []
         for sampler in samplers:
@@ -161,8 +163,15 @@ def test_a_ps_checkpoint_resumes_on_two_servers_and_on_one_device_alike(sync_run
     expected, _ = reference(after_first, range(1, EPOCHS), workers=1, optimizer_state=optimizer_after_first)
 
     on_servers = Net()
-    Trainer(strategy={**SYNC_PS, "ps_servers": 2}, devices=3, max_epochs=EPOCHS, seed=SEED,
-            enable_checkpointing=False, default_root_dir=str(tmp_path), **QUIET).fit(on_servers, train_loader(), ckpt_path=path)
+    Trainer(
+        strategy={**SYNC_PS, "ps_servers": 2},
+        devices=3,
+        max_epochs=EPOCHS,
+        seed=SEED,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+        **QUIET,
+    ).fit(on_servers, train_loader(), ckpt_path=path)
     one_device = Net()
     Trainer(max_epochs=EPOCHS, seed=SEED, enable_checkpointing=False, default_root_dir=str(tmp_path),
             **QUIET).fit(one_device, train_loader(), ckpt_path=path)
@@ -318,14 +327,20 @@ def test_options_through_the_registry_and_their_errors():
         Trainer(strategy="ps", devices=3, accelerator="cpu", limit_train_batches=0.5)
     Trainer(strategy={"name": "ps", "staleness": 0}, devices=3, accelerator="cpu", limit_train_batches=0.5)
     # Workers that claim their own batches count different steps: a collective every n of them would hang.
-    for what, options in (("ModelCheckpoint(every_n_train_steps=4)", {"callbacks": [ModelCheckpoint(every_n_train_steps=4)]}),
-                          ("val_check_interval=10", {"val_check_interval": 10}),
-                          ("val_check_interval=0.5", {"val_check_interval": 0.5}),
-                          ("max_time", {"max_time": 60}),  # a time budget checked after every step
-                          ("ModelCheckpoint(train_time_interval=600.0s)",
-                           {"callbacks": [ModelCheckpoint(train_time_interval=timedelta(minutes=10))]}),
-                          ("Timer(interval='step')", {"callbacks": [Timer(duration=60)]})):
-        with pytest.raises(MisconfigurationError, match=rf"{re.escape(what)} needs every process to reach the same steps"):
+    for what, options in (
+        ("ModelCheckpoint(every_n_train_steps=4)", {"callbacks": [ModelCheckpoint(every_n_train_steps=4)]}),
+        ("val_check_interval=10", {"val_check_interval": 10}),
+        ("val_check_interval=0.5", {"val_check_interval": 0.5}),
+        ("max_time", {"max_time": 60}),  # a time budget checked after every step
+        (
+            "ModelCheckpoint(train_time_interval=600.0s)",
+            {"callbacks": [ModelCheckpoint(train_time_interval=timedelta(minutes=10))]},
+        ),
+        ("Timer(interval='step')", {"callbacks": [Timer(duration=60)]}),
+    ):
+        with pytest.raises(
+            MisconfigurationError, match=rf"{re.escape(what)} needs every process to reach the same steps"
+        ):
             Trainer(strategy="ps", devices=3, accelerator="cpu", **options)
         Trainer(strategy={"name": "ps", "staleness": 0}, devices=3, accelerator="cpu", **options)
     Trainer(strategy="ps", devices=3, accelerator="cpu", callbacks=[Timer(duration=60, interval="epoch")])

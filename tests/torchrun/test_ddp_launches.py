@@ -23,7 +23,9 @@ SCRIPT = Path(ddp_script.__file__)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def launch(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, timeout: float = 150) -> list[tuple[int, str, float]]:
+def launch(
+    commands: list[tuple[list[str], dict[str, str]]], cwd: Path, timeout: float = 150
+) -> list[tuple[int, str, float]]:
     """Run the commands side by side; (exit code, output, seconds since start at exit) for each."""
     base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     base.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SCRIPT.parent), base.get("PYTHONPATH", "")]))
@@ -72,22 +74,36 @@ def test_two_torchrun_agents_as_two_nodes_train_one_model(tmp_path):
     assert_trained_like_the_reference(ranks[0]["state_dict"])
     assert_trained_like_the_reference(ranks[1]["state_dict"])
     # validate() ran in the same processes; every sample counted once.
-    assert ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[0]["state_dict"]), rel=1e-5)
+    assert (
+        ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[0]["state_dict"]), rel=1e-5)
+    )
     assert ranks[0]["rank_sum"] == ranks[1]["rank_sum"] == 1.0  # the script's own all_reduce after fit
 
 
 @pytest.mark.timeout(180)
 def test_srun_variables_launch_two_ranks_that_build_their_own_rendezvous(tmp_path):
     # What `srun -n 2` sets on one node (step 0 of job 4242; tests/test_environment.py has a real capture).
-    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0",
-             "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost",
-             "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "MASTER_PORT": str(find_free_port())}
+    slurm = {
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "MASTER_PORT": str(find_free_port()),
+    }
     command = [sys.executable, str(SCRIPT), "train", str(tmp_path)]
     results = launch([(command, {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)], tmp_path)
     assert [code for code, _, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     ranks = [load_rank(tmp_path, rank) for rank in (0, 1)]
     assert_trained_like_the_reference(ranks[0]["state_dict"])
-    assert ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[1]["state_dict"]), rel=1e-5)
+    assert (
+        ranks[0]["val_loss"] == ranks[1]["val_loss"] == pytest.approx(full_set_loss(ranks[1]["state_dict"]), rel=1e-5)
+    )
     assert ranks[0]["rank_sum"] == ranks[1]["rank_sum"] == 1.0  # the script's own all_reduce after fit
 
 
@@ -162,7 +178,10 @@ def refused_script(tmp_path: Path, name: str, text: str) -> tuple[str, Path]:
 @pytest.mark.timeout(120)
 def test_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
     last, _ = refused_script(tmp_path, "unguarded.py", UNGUARDED)
-    assert last.startswith("torchyard.trainer.errors.MisconfigurationError: ") and "unguarded.py:8 starts a 2-process job" in last
+    assert (
+        last.startswith("torchyard.trainer.errors.MisconfigurationError: ")
+        and "unguarded.py:8 starts a 2-process job" in last
+    )
     assert 'if __name__ == "__main__":' in last
 
 
@@ -184,6 +203,8 @@ if __name__ == "__main__":
 @pytest.mark.timeout(120)
 def test_a_module_class_defined_under_the_main_guard_is_refused_before_any_worker_starts(tmp_path):
     last, script = refused_script(tmp_path, "guarded_class.py", GUARDED_CLASS)
-    assert last == (f'torchyard.trainer.errors.MisconfigurationError: Local is defined inside `if __name__ == "__main__":` of '
-                    f"{script}, but the worker processes import the script without running that block; define it "
-                    "above the guard.")
+    assert last == (
+        f'torchyard.trainer.errors.MisconfigurationError: Local is defined inside `if __name__ == "__main__":` of '
+        f"{script}, but the worker processes import the script without running that block; define it "
+        "above the guard."
+    )

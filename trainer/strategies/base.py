@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from torchyard.trainer.batches import move_to_device  # noqa: F401  (importable from here, where it was)
 from torchyard.trainer.checkpoint import (
     link_checkpoint_file,
     load_checkpoint_file,
@@ -27,13 +28,13 @@ from torchyard.trainer.checkpoint import (
 from torchyard.trainer.data import prepare_loader
 from torchyard.trainer.environment import ClusterEnvironment, detect_environment
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.module import TrainModule, overridden
 from torchyard.trainer.precision import Precision
 
 HOST = torch.device("cpu")
 
 if TYPE_CHECKING:
     from torchyard.trainer.config import TrainerConfig
-    from torchyard.trainer.module import TrainModule
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -80,19 +81,6 @@ def _takes_batch_idx(cls: type, step_name: str) -> bool:
     except TypeError:
         return False
     return True
-
-
-def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested) batch to `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return type(batch)({k: move_to_device(v, device, non_blocking) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
-    return batch
 
 
 class Strategy(ABC):
@@ -220,14 +208,11 @@ class Strategy(ABC):
 
     def check_module(self, module: TrainModule, stage: str) -> None:
         """Refuse, before any process starts, a module this strategy cannot run `stage` ("fit", ...) with."""
-        from torchyard.trainer.module import (
-            TrainModule,  # here: trainer.module imports the strategies' package
-        )
-
         step = {"validate": "validation_step", "test": "test_step"}.get(stage)
         if step is not None and getattr(type(module), step) is getattr(TrainModule, step):
-            raise MisconfigurationError(f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); "
-                                        "it has none.")
+            raise MisconfigurationError(
+                f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); it has none."
+            )
 
     def serve(self) -> bool:
         """Run this rank's part when it is not the loop (a parameter server answering the workers) until the
@@ -251,16 +236,18 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
-        from torchyard.trainer.module import TrainModule, overridden
-
         self.module = module.to(self.root_device)
         self.model = self.module
         self._bound_training_step = bound_step(module, "training_step")  # looked up once, not every step
         # Where neither this strategy, the precision nor the module changes backward, each step calls the
         # loss's own: three calls fewer per step. One process only: with several, a backward stuck in the
         # gradient all-reduce is reported by the frame it waits in (faults.raise_if_collective_timeout).
-        self._plain_backward = (self.world_size == 1 and type(self).backward is Strategy.backward
-                                and self.precision.scaler is None and overridden(module, "backward", TrainModule) is None)
+        self._plain_backward = (
+            self.world_size == 1
+            and type(self).backward is Strategy.backward
+            and self.precision.scaler is None
+            and overridden(module, "backward", TrainModule) is None
+        )
 
     # ------------------------------------------------------------------ the steps (the per-step path)
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -317,7 +304,9 @@ class Strategy(ABC):
         else:
             torch.nn.utils.clip_grad_value_(params, value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> Any:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None
+    ) -> Any:
         """Apply the gradients (a parameter server pushes them instead); `closure` is for an optimizer that
         evaluates the loss itself (LBFGS). Returns what the optimizer's step returns."""
         return self.precision.step(optimizer, closure)

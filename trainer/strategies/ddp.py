@@ -47,9 +47,13 @@ class DDPStrategy(ProcessGroupStrategy):
     ) -> None:
         super().__init__(backend, environment)
         if backend is not None and backend not in BACKENDS:
-            raise MisconfigurationError(f"DDPStrategy(backend={backend!r}) is not known; use one of {', '.join(BACKENDS)} or leave it unset.")
+            raise MisconfigurationError(
+                f"DDPStrategy(backend={backend!r}) is not known; use one of {', '.join(BACKENDS)} or leave it unset."
+            )
         if comm_hook is not None and comm_hook not in COMM_HOOKS:
-            raise MisconfigurationError(f"DDPStrategy(comm_hook={comm_hook!r}) is not known; use None, 'fp16' or 'bf16'.")
+            raise MisconfigurationError(
+                f"DDPStrategy(comm_hook={comm_hook!r}) is not known; use None, 'fp16' or 'bf16'."
+            )
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -61,7 +65,11 @@ class DDPStrategy(ProcessGroupStrategy):
         super().configure(accelerator, devices, num_nodes, precision)
         # Checked only when the Trainer will start the processes: a launcher may give each process its own
         # GPU (srun --gpus-per-task=1), and each then sees one device.
-        if self.accelerator == "cuda" and devices > torch.cuda.device_count() and not self.detect_environment().launched:
+        if (
+            self.accelerator == "cuda"
+            and devices > torch.cuda.device_count()
+            and not self.detect_environment().launched
+        ):
             raise MisconfigurationError(
                 f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA device(s); "
                 f"use devices={torch.cuda.device_count()} or fewer (devices counts per node)."

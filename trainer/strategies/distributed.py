@@ -14,10 +14,8 @@ from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# A gloo worker thread frees a finished collective's tensors only once it holds the GIL. One still waiting for it
-# when the interpreter finalizes is stopped inside that destructor, which aborts the process (SIGABRT, "terminate
-# called without an active exception") after all its work is done, and torchrun then reports the job as failed.
-# Leaving the group lets go of the GIL this long first (seen with a collective in the last milliseconds before exit).
+# Leaving the group releases the GIL this long first: a gloo worker still waiting for it to free a finished
+# collective's tensors at interpreter exit aborts the process (SIGABRT), and torchrun reports the job as failed.
 GIL_HANDOFF_S = 0.02
 
 

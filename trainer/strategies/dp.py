@@ -65,17 +65,22 @@ class DataParallelStrategy(Strategy):
         super().configure(accelerator, devices, num_nodes, precision)
         if num_nodes != 1:
             raise MisconfigurationError(
-                f"strategy='dp' runs in one process on one node, but num_nodes={num_nodes}; use strategy='ddp' across nodes."
+                f"strategy='dp' runs in one process on one node, but num_nodes={num_nodes}; use strategy='ddp' across "
+                "nodes."
             )
         available = torch.cuda.device_count() if self.accelerator == "cuda" else 0
         if available >= 2 and devices > available:
-            raise MisconfigurationError(f"devices={devices} but this machine has {available} CUDA devices; use devices<={available}.")
+            raise MisconfigurationError(
+                f"devices={devices} but this machine has {available} CUDA devices; use devices<={available}."
+            )
         self.device_ids = list(range(devices)) if available >= 2 else []
         if len(self.device_ids) < 2:
             self.device_ids = []
             warnings.warn(
                 f"strategy='dp' needs two or more CUDA devices (found {available} on accelerator={self.accelerator!r}, "
-                f"devices={devices}); running on a single device instead.", UserWarning, stacklevel=3,  # the Trainer(...) line
+                f"devices={devices}); running on a single device instead.",
+                UserWarning,
+                stacklevel=3,  # the Trainer(...) line
             )
 
     @override
@@ -90,7 +95,9 @@ class DataParallelStrategy(Strategy):
     def setup_module(self, module: TrainModule) -> None:
         super().setup_module(module)
         if self.parallel:
-            self.model = nn.DataParallel(ReplicaSteps(module), device_ids=self.device_ids, output_device=self.device_ids[0])
+            self.model = nn.DataParallel(
+                ReplicaSteps(module), device_ids=self.device_ids, output_device=self.device_ids[0]
+            )
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:

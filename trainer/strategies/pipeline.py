@@ -11,13 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.logging import _batch_value as batch_value
+from torchyard.trainer.logging import batch_value
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import needs_closure
 from torchyard.trainer.strategies import distributed
-from torchyard.trainer.strategies.base import move_to_device
 from torchyard.trainer.strategies.pipeline_split import (
     build_stage_modules,
     check_schedule,
@@ -65,7 +65,9 @@ class PipelineStrategy(ProcessGroupStrategy):
                  split_points: list[str] | None = None, stages_per_rank: int = 1, backend: str | None = None) -> None:
         super().__init__(backend)
         for label, value in (("microbatches", microbatches), ("stages_per_rank", stages_per_rank), ("stages", stages)):
-            if (value is not None or label != "stages") and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if (value is not None or label != "stages") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise MisconfigurationError(f"pipeline {label}={value!r} must be a positive integer.")
         if split_points is not None and not all(isinstance(p, str) for p in split_points):
             raise MisconfigurationError(f"split_points={split_points!r} must be a list of submodule names.")
@@ -73,7 +75,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.requested_stages, self.microbatches, self.stages_per_rank = stages, microbatches, stages_per_rank
         self.split_points = list(split_points) if split_points else None
         if backend is not None and backend not in ("gloo", "nccl", "mpi"):
-            raise MisconfigurationError(f"pipeline backend={backend!r} is not known; use 'gloo', 'nccl', 'mpi' or leave it unset.")
+            raise MisconfigurationError(
+                f"pipeline backend={backend!r} is not known; use 'gloo', 'nccl', 'mpi' or leave it unset."
+            )
         self.stages = 1
         self._sync_gradients = True
         self._schedules: dict[Any, Any] = {}
@@ -159,16 +163,20 @@ class PipelineStrategy(ProcessGroupStrategy):
         kinds = [type(optimizer).__name__ for optimizer in optimizers if needs_closure(optimizer)]
         if kinds:
             raise MisconfigurationError(
-                f"strategy='pipeline' cannot step {kinds[0]}: it evaluates the loss again and again, and how often would "
-                "be decided by each stage from its own parameters alone; use an optimizer whose step takes no closure "
-                "(SGD, Adam, AdamW, ...) or strategy='ddp'.")
+                f"strategy='pipeline' cannot step {kinds[0]}: it evaluates the loss again and again, and how often "
+                "would be decided by each stage from its own parameters alone; use an optimizer whose step takes no "
+                "closure "
+                "(SGD, Adam, AdamW, ...) or strategy='ddp'."
+            )
         return optimizers
 
     # ------------------------------------------------------------------ the model
     @override
     def check_module(self, module: TrainModule, stage: str) -> None:
         if stage == "fit" and not module.automatic_optimization:
-            raise MisconfigurationError("strategy='pipeline' runs its schedule's backward; set automatic_optimization = True.")
+            raise MisconfigurationError(
+                "strategy='pipeline' runs its schedule's backward; set automatic_optimization = True."
+            )
         if stage == "fit" and type(module).backward is not TrainModule.backward:
             raise MisconfigurationError(f"strategy='pipeline' runs its schedule's backward, stage by stage, so "
                                         f"{type(module).__name__}.backward would never be called; remove it.")
@@ -192,7 +200,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         """Cut the module into stages, keep this rank's on its device (the rest stays where it was)."""
         chunks = build_stage_modules(module, self.num_chunks, self.split_points, self.precision.autocast)
         owned = stage_ownership(module, chunks)
-        placements = [stage_placement(r, self.stages, self.stages_per_rank, self.schedule_name) for r in range(self.stages)]
+        placements = [
+            stage_placement(r, self.stages, self.stages_per_rank, self.schedule_name) for r in range(self.stages)
+        ]
         self._local = [(index, chunks[index].to(self.root_device)) for index in placements[self.pp_rank]]
         self._first_here = 0 in placements[self.pp_rank]
         self._last_here = self.num_chunks - 1 in placements[self.pp_rank]
@@ -214,12 +224,18 @@ class PipelineStrategy(ProcessGroupStrategy):
         if key not in self._schedules:
             stages = [PipelineStage(chunk, index, self.num_chunks, self.root_device, group=self._pp_group)
                       for index, chunk in self._local]
-            cls = schedule_for(self.schedule_name, self.schedule_class, train, chunks, self.stages, self.stages_per_rank)
+            cls = schedule_for(
+                self.schedule_name, self.schedule_class, train, chunks, self.stages, self.stages_per_rank
+            )
             target = stages[0] if runs_one_stage(cls) else stages
             try:
-                self._schedules[key] = cls(target, chunks, loss_fn=self._micro_loss if train else None, scale_grads=False)
+                self._schedules[key] = cls(
+                    target, chunks, loss_fn=self._micro_loss if train else None, scale_grads=False
+                )
             except ValueError as err:
-                raise MisconfigurationError(f"pipeline schedule {self.schedule_name!r} with {chunks} micro-batches: {err}") from err
+                raise MisconfigurationError(
+                    f"pipeline schedule {self.schedule_name!r} with {chunks} micro-batches: {err}"
+                ) from err
         return self._schedules[key]
 
     def _inputs(self, batch: Any) -> tuple[torch.Tensor, ...]:
@@ -307,7 +323,11 @@ class PipelineStrategy(ProcessGroupStrategy):
         if step_name == "predict_step":
             output = move_to_device(output, torch.device("cpu")) if self._last_here else None
             return distributed.broadcast_object(output, src=self._last_global_rank, group=self._pp_group)
-        result, records = self._last_stage_eval(step_name, output, batch, batch_idx, dataloader_idx) if self._last_here else (None, None)
+        result, records = (
+            self._last_stage_eval(step_name, output, batch, batch_idx, dataloader_idx)
+            if self._last_here
+            else (None, None)
+        )
         records = distributed.broadcast_object(records, src=self._last_global_rank, group=self._pp_group)
         self.module.trainer.metrics.replay(records)
         return result

@@ -34,7 +34,9 @@ V_STYLE_PLACEMENT = ("zbv_zero_bubble", "dualpipev")
 class StageModule(nn.Module):
     """Consecutive submodules run in order, like nn.Sequential, under the run's autocast."""
 
-    def __init__(self, parts: list[nn.Module], autocast: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+    def __init__(
+        self, parts: list[nn.Module], autocast: Callable[[], contextlib.AbstractContextManager] | None = None
+    ) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self._autocast = autocast or contextlib.nullcontext
@@ -155,7 +157,9 @@ def _is_unit(module: nn.Module) -> bool:
 
 def _flatten(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
     if isinstance(module, nn.ModuleList) or type(module) is nn.Sequential:
-        return [unit for child_name, child in module.named_children() for unit in _flatten(f"{name}.{child_name}", child)]
+        return [
+            unit for child_name, child in module.named_children() for unit in _flatten(f"{name}.{child_name}", child)
+        ]
     return [(name, module)]
 
 
@@ -284,7 +288,8 @@ def stage_ownership(module: nn.Module, stage_modules: list[nn.Module]) -> list[s
             if isinstance(tensor, nn.Parameter) and owner.get(id(tensor), index) != index:
                 raise MisconfigurationError(
                     f"parameter {names.get(id(tensor), '?')!r} is used by pipeline stages {owner[id(tensor)]} and "
-                    f"{index} (tied weights); untie it or keep its users in one stage (split_points or pipeline_stages)."
+                    f"{index} (tied weights); untie it or keep its users in one stage (split_points or "
+                    "pipeline_stages)."
                 )
             owner[id(tensor)] = index
             keys.update(keys_of.get(id(tensor), []))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, IterableDataset
 from torchyard.trainer import faults
-from torchyard.trainer.data import ResumableBatchSampler, _loader_kwargs, prepare_loader
+from torchyard.trainer.data import ResumableBatchSampler, loader_kwargs, prepare_loader
 from torchyard.trainer.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import distributed
@@ -57,13 +57,19 @@ class ParameterServerStrategy(ProcessGroupStrategy):
                  environment: str | ClusterEnvironment | None = None) -> None:
         super().__init__(backend, environment)
         if not isinstance(ps_servers, int) or isinstance(ps_servers, bool) or ps_servers < 1:
-            raise MisconfigurationError(f"ps_servers={ps_servers!r} must be a positive integer (the number of server ranks).")
+            raise MisconfigurationError(
+                f"ps_servers={ps_servers!r} must be a positive integer (the number of server ranks)."
+            )
         if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
-            raise MisconfigurationError(f"staleness={staleness!r} must be 0 (synchronous), a positive integer, or None (unbounded).")
+            raise MisconfigurationError(
+                f"staleness={staleness!r} must be 0 (synchronous), a positive integer, or None (unbounded)."
+            )
         if stale_gradients not in STALE_POLICIES:
             raise MisconfigurationError(f"stale_gradients={stale_gradients!r} is not known; use 'drop' or 'scale'.")
         if backend is not None and backend not in BACKENDS:
-            raise MisconfigurationError(f"ParameterServerStrategy(backend={backend!r}) is not known; use 'gloo' or 'nccl'.")
+            raise MisconfigurationError(
+                f"ParameterServerStrategy(backend={backend!r}) is not known; use 'gloo' or 'nccl'."
+            )
         dynamic = staleness is None if dynamic_batches is None else bool(dynamic_batches)
         if dynamic and staleness is not None:
             raise MisconfigurationError(
@@ -249,12 +255,17 @@ class ParameterServerStrategy(ProcessGroupStrategy):
 
     def _roles(self, tensors: list[int], values: list[int]) -> str:
         servers, workers = self.ps_servers, self.world_size
-        mode = {None: "fully asynchronous", 0: "synchronous"}.get(self.staleness, f"at most {self.staleness} steps ahead")
+        mode = {None: "fully asynchronous", 0: "synchronous"}.get(
+            self.staleness, f"at most {self.staleness} steps ahead"
+        )
         batches = "claimed as workers go" if self.dynamic_batches else "fixed shards per worker"
         lines = [f"ps: {servers} server(s), {workers} worker(s); staleness={self.staleness} ({mode}); "
                  f"stale_gradients={self.stale_gradients!r}; training batches {batches}"]
         lines += [f"  rank {k}: server ps{k}, {tensors[k]} tensors, {values[k]:,} values" for k in range(servers)]
-        lines += [f"  rank {servers + w}: worker {w}" + (" (chief: logs, checkpoints)" if w == 0 else "") for w in range(workers)]
+        lines += [
+            f"  rank {servers + w}: worker {w}" + (" (chief: logs, checkpoints)" if w == 0 else "")
+            for w in range(workers)
+        ]
         return "\n".join(lines)
 
     @override
@@ -285,7 +296,9 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         # which asks rank 0's clock after every step: the option is named first, as the user set it.
         every_n = ["max_time"] if config.max_time is not None else []
         every_n += [need for need in (callback.step_collective for callback in callbacks) if need is not None]
-        if not (isinstance(config.val_check_interval, float) and config.val_check_interval == 1.0):  # int 1: every batch
+        if not (
+            isinstance(config.val_check_interval, float) and config.val_check_interval == 1.0
+        ):  # int 1: every batch
             every_n.append(f"val_check_interval={config.val_check_interval}")
         if every_n:
             raise MisconfigurationError(
@@ -307,7 +320,9 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         super().clip_gradients(optimizer, value, algorithm)
 
     @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None) -> None:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None
+    ) -> None:
         """Push the gradients (RemoteOptimizer.step); log how stale they were. (No optimizer that needs a closure
         gets here: check_optimizer refuses it.)"""
         super().optimizer_step(optimizer, closure)
@@ -315,7 +330,9 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         if pushed and self.module is not None:
             self.module.log("ps/staleness", float(pushed["staleness"]))
             if self.staleness:
-                self.module.log("ps/stale_gradients", float(pushed["dropped" if self.stale_gradients == "drop" else "scaled"]))
+                self.module.log(
+                    "ps/stale_gradients", float(pushed["dropped" if self.stale_gradients == "drop" else "scaled"])
+                )
             optimizer.last_push = {}
 
     # ------------------------------------------------------------------ data
@@ -330,7 +347,7 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         ordered = prepare_loader(loader, train=True, num_replicas=1, rank=0, seed=seed, pin_memory=pin)
         assert isinstance(ordered.batch_sampler, ResumableBatchSampler)
         return DataLoader(ordered.dataset, batch_sampler=ClaimedBatches(ordered.batch_sampler, self._claim_batch),
-                          **_loader_kwargs(ordered, pin))
+                          **loader_kwargs(ordered, pin))
 
     def _claim_batch(self, epoch: int, total: int) -> int | None:
         if total < self.world_size:

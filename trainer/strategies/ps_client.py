@@ -31,7 +31,9 @@ STALE_KEYS = ("staleness", "dropped", "scaled")
 
 def group_options(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each param group's hyperparameters (everything but its parameters)."""
-    return [{key: value for key, value in group.items() if key not in ("params", "param_names")} for group in param_groups]
+    return [
+        {key: value for key, value in group.items() if key not in ("params", "param_names")} for group in param_groups
+    ]
 
 
 def check_optimizer(optimizers: list[Optimizer]) -> Optimizer:
@@ -39,7 +41,8 @@ def check_optimizer(optimizers: list[Optimizer]) -> Optimizer:
     if len(optimizers) != 1:
         raise MisconfigurationError(
             f"strategy='ps' keeps one optimizer on the servers, but configure_optimizers returned {len(optimizers)}; "
-            "put every parameter in one optimizer (param groups may differ in lr, weight decay, ...) or use strategy='ddp'."
+            "put every parameter in one optimizer (param groups may differ in lr, weight decay, ...) or use "
+            "strategy='ddp'."
         )
     optimizer = optimizers[0]
     kind = type(optimizer).__name__
@@ -86,7 +89,9 @@ def _gradient(param: torch.Tensor) -> torch.Tensor | None:
 class ShardClient:
     """One worker's link to the servers: where each parameter lives, pull before a step, push after it."""
 
-    def __init__(self, worker: int, servers: list[str], optimizer: Optimizer, shard_of: list[int], is_chief: bool) -> None:
+    def __init__(
+        self, worker: int, servers: list[str], optimizer: Optimizer, shard_of: list[int], is_chief: bool
+    ) -> None:
         self.worker, self.servers, self.is_chief = worker, servers, is_chief
         self.params: list[nn.Parameter] = [p for group in optimizer.param_groups for p in group["params"]]
         self.group_of = [index for index, group in enumerate(optimizer.param_groups) for _ in group["params"]]
@@ -130,8 +135,10 @@ class ShardClient:
     def push(self, param_groups: list[dict[str, Any]]) -> dict[str, int]:
         """Send this step's gradients; the reply says how stale they were and what the servers counted."""
         options = group_options(param_groups)
-        futures = [self._call(k, "push", self.worker, self.versions[k], [_gradient(self.params[i]) for i in shard], options)
-                   for k, shard in enumerate(self.shards)]
+        futures = [
+            self._call(k, "push", self.worker, self.versions[k], [_gradient(self.params[i]) for i in shard], options)
+            for k, shard in enumerate(self.shards)
+        ]
         replies = [future.wait() for future in futures]
         self.clock, self.fresh = self.clock + 1, False
         return {key: max(reply[key] for reply in replies) for key in STALE_KEYS}
@@ -219,7 +226,9 @@ class RemoteOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the saved optimizer state has other parameter groups (or group sizes) than this optimizer")
+            raise ValueError(
+                "the saved optimizer state has other parameter groups (or group sizes) than this optimizer"
+            )
         for group, options in zip(self.param_groups, group_options(saved)):
             group.update(options)
         if self.client.is_chief:

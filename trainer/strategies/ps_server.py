@@ -56,7 +56,9 @@ class ParameterShard:
             self.params = [value.detach().to(self.device).clone().requires_grad_(True) for value in values]
             groups = [{**options, "params": [p for p, g in zip(self.params, group_of) if g == index]}
                       for index, options in enumerate(group_options)]
-            self.local_order = [pos for index in range(len(group_options)) for pos, g in enumerate(group_of) if g == index]
+            self.local_order = [
+                pos for index in range(len(group_options)) for pos, g in enumerate(group_of) if g == index
+            ]
             self.optimizer = rebuild_optimizer(optimizer_class, groups, defaults)
             return len(self.params)
 
@@ -146,9 +148,13 @@ class ParameterShard:
         with self.lock:
             assert self.optimizer is not None
             state = self.optimizer.state_dict()["state"]
-            return {self.local_order[local]: {key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-                                              for key, value in entry.items()}
-                    for local, entry in state.items()}
+            return {
+                self.local_order[local]: {
+                    key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+                    for key, value in entry.items()
+                }
+                for local, entry in state.items()
+            }
 
     def report(self) -> dict[str, int]:
         with self.lock:
@@ -219,7 +225,9 @@ class ParameterShard:
         self.stats.applied += 1
 
 
-def rebuild_optimizer(optimizer_class: type, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> torch.optim.Optimizer:
+def rebuild_optimizer(
+    optimizer_class: type, groups: list[dict[str, Any]], defaults: dict[str, Any]
+) -> torch.optim.Optimizer:
     """`optimizer_class(groups, **defaults)`, passing only the defaults its constructor takes.
 
     Some defaults are not constructor arguments (AdamW records `decoupled_weight_decay`, which it sets
