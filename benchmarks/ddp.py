@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.environment import find_free_port

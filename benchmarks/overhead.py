@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.trainer import Trainer, TrainModule
 
 FEATURES, HIDDEN, CLASSES, BATCH = 128, 256, 10, 64

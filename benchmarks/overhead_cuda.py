@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from overhead import BATCH, MLP, synthetic_data
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer
 

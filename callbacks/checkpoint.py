@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import parse_duration
 from torchyard.trainer.errors import MisconfigurationError

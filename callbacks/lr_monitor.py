@@ -10,6 +10,7 @@ from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
+
     from torchyard.trainer.module import TrainModule
     from torchyard.trainer.optim import SchedulerConfig
     from torchyard.trainer.trainer import Trainer

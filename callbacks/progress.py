@@ -20,6 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.text import Text
+
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.errors import MisconfigurationError
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
+
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.data import samples_in_batches
 from torchyard.trainer.errors import MisconfigurationError

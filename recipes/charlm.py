@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
 from torchyard.recipes import check_loader_args, check_optimizer_args
 from torchyard.trainer import DataModule, TrainModule
 from torchyard.trainer.errors import MisconfigurationError

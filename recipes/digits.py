@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
+
 from torchyard.recipes import check_loader_args, check_optimizer_args
 from torchyard.trainer import DataModule, TrainModule
 from torchyard.trainer.errors import MisconfigurationError

@@ -13,12 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torchyard.callbacks.checkpoint as checkpoint_module
-import torchyard.callbacks.progress as progress_module
 from rich.console import Console
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+import torchyard.callbacks.checkpoint as checkpoint_module
+import torchyard.callbacks.progress as progress_module
 from torchyard.callbacks import (
     BasePredictionWriter,
     Callback,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.checkpoint import load_checkpoint_file

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 from torchyard.trainer.cli import main
 from torchyard.trainer.config import (
     option_names,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.checkpoint import load_checkpoint_file
 from torchyard.trainer.errors import MisconfigurationError

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 

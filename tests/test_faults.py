@@ -25,6 +25,7 @@ from faults import fault_script
 from faults.fault_script import KillAt, Net, fit, starts
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 from torchyard.callbacks import Callback, ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule, faults
 from torchyard.trainer.checkpoint import load_checkpoint_file

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
+
 from torchyard.callbacks import Callback
 from torchyard.trainer import DataModule, Trainer, TrainModule
 from torchyard.trainer.errors import MisconfigurationError

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
 from torchyard.callbacks import Callback, ModelSummary
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.data import (

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.trainer import DataModule, Trainer, TrainModule
 from torchyard.trainer.errors import MisconfigurationError
 

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+
 from torchyard.trainer.cli import main
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.recipe import load_recipe

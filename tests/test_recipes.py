@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+
 from torchyard.recipes.charlm import CharBlocks, CharData, CharLM, decode, encode, read_corpus
 from torchyard.recipes.digits import DigitsCNN, DigitsData
 from torchyard.trainer.checkpoint import load_checkpoint_file

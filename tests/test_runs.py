@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from torchyard.trainer.runs import VersionClaim
 
 SCRIPT = Path(__file__).parent / "version_race" / "race_script.py"

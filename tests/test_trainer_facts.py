@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
 

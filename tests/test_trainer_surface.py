@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.callbacks import Callback, EarlyStopping, ModelCheckpoint, RichProgressBar
 from torchyard.trainer import DataModule, Trainer, TrainModule
 from torchyard.trainer.errors import MisconfigurationError

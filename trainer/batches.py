@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+
 from torchyard.trainer.errors import MisconfigurationError
 
 

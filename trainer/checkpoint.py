@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from torchyard.trainer.errors import CheckpointError
 
 CHECKPOINT_VERSION = 1

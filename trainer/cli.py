@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
+
 from torchyard.trainer.config import TrainerConfig, reference_table, update_readme
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.submit import add_arguments as add_submit_arguments
@@ -214,6 +215,7 @@ def _show_predictions(outputs: list[Any], trainer: Any) -> None:
         return
     # Imports torch: see run_stage.
     import torch
+
     from torchyard.trainer.batches import move_to_device
     from torchyard.trainer.checkpoint import save_checkpoint_file
 

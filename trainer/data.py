@@ -21,6 +21,7 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
+
 from torchyard.trainer.environment import usable_cores
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule, overridden

@@ -86,7 +86,7 @@ def print_results_table(results: list[dict[str, float]], stage: str) -> None:
 
 def hparams_yaml(params: Mapping[str, Any]) -> str:
     """Hyperparameters as YAML; a value YAML cannot hold (a dtype, a module, however deeply nested) as its repr."""
-    # Imported when first needed, so `import trainer` costs little more than `import torch`.
+    # Imported when first needed, so `from torchyard.trainer import Trainer` costs little more than `import torch`.
     from omegaconf import OmegaConf
 
     def plain(value: Any) -> Any:

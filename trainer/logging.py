@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from torchyard.trainer.data import batch_size_of
 from torchyard.trainer.errors import MisconfigurationError
 
@@ -25,6 +26,7 @@ from torchyard.trainer.loggers import (  # noqa: F401
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
+
     from torchyard.trainer.loop import Progress
 
 REDUCE_FXS = ("mean", "sum", "max", "min")

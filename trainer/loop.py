@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
+
 from torchyard.trainer.batches import batch_limit, epoch_batches, val_every, validates_after
 from torchyard.trainer.data import (
     batch_mover,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
 from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.checkpoint import load_checkpoint_file, weights_mismatch
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest

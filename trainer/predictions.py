@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
 from torchyard.trainer.data import ShardedSampler, loader_kwargs
 
 

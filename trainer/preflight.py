@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
+
 from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import TrainerConfig, save_run_config

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import TrainerConfig, dump_yaml, make_config, option_names
 from torchyard.trainer.data import DataModule

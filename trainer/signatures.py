@@ -10,6 +10,7 @@ import typing
 from typing import Any, Union
 
 from torch import nn
+
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.data import DataModule
 from torchyard.trainer.errors import MisconfigurationError, closest

@@ -7,6 +7,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from torchyard.trainer.checkpoint import CHECKPOINT_VERSION, unloadable, weights_mismatch
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.rng import rng_state, set_rng_state

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
+
 from torchyard.trainer.data import batch_mover
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import TrainModule, overridden

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+
 from torchyard.callbacks import EarlyStopping, ModelCheckpoint
 from torchyard.callbacks.base import Callback
 from torchyard.trainer import faults

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from torchyard.trainer.cli import main
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 from torchyard.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
 from torchyard.trainer import DataModule, Trainer, TrainModule
 from torchyard.trainer.environment import ClusterEnvironment, find_free_port

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import build_strategy

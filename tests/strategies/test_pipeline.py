@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
+
 from torchyard.callbacks import ModelCheckpoint
 from torchyard.callbacks.base import Callback
 from torchyard.trainer import Trainer, TrainModule

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 from torchyard.callbacks import ModelCheckpoint, Timer
 from torchyard.recipes.digits import DigitsCNN, DigitsData
 from torchyard.trainer import Trainer, TrainModule

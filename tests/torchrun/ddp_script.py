@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 from torchyard.callbacks import ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule
 

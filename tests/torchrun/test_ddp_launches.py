@@ -17,6 +17,7 @@ import ddp_script
 import pytest
 import torch
 import torch.nn.functional as F
+
 from torchyard.trainer.environment import find_free_port
 
 SCRIPT = Path(ddp_script.__file__)

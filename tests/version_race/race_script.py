@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
 from torchyard.trainer import Trainer, TrainModule
 
 STEPS = 4

@@ -10,7 +10,7 @@ from typing import Any
 from torchyard.trainer.errors import MisconfigurationError, closest
 from torchyard.trainer.strategies.base import Strategy
 
-#: name -> "module:class", imported when that strategy is built: `import trainer` then pays for none of
+#: name -> "module:class", imported when that strategy is built: `from torchyard.trainer import Trainer` then pays for none of
 #: them (ps's torch.distributed.rpc alone takes about 80 ms to import).
 STRATEGIES: dict[str, str] = {
     "single": "torchyard.trainer.strategies.single:SingleDeviceStrategy",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+
 from torchyard.trainer.batches import move_to_device  # noqa: F401  (importable from here, where it was)
 from torchyard.trainer.checkpoint import (
     link_checkpoint_file,

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.base import StepDispatcher
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
-from typing_extensions import override
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
 

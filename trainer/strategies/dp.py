@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from typing_extensions import override
+
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.base import StepDispatcher, Strategy
-from typing_extensions import override
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule

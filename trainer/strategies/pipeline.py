@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from typing_extensions import override
+
 from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
@@ -31,7 +33,6 @@ from torchyard.trainer.strategies.pipeline_split import (
     v_style,
 )
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
-from typing_extensions import override
 
 
 def sendable(value: Any) -> Any:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
 from torchyard.trainer.errors import MisconfigurationError, closest
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class StageModule(nn.Module):
 
 
 # Our names -> torch's (get_schedule_class); a name the installed torch lacks is left out. torch.distributed
-# .pipelining is imported only when a pipeline is used: it pulls in torch._dynamo (seconds at `import trainer`).
+# .pipelining is imported only when a pipeline is used: it pulls in torch._dynamo (seconds at import).
 _TORCH_SCHEDULES = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
     "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv_zero_bubble": "ZBVZeroBubble", "dualpipev": "DualPipeV",

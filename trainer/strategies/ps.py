@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import rpc
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
 from torchyard.trainer import faults
 from torchyard.trainer.data import ResumableBatchSampler, loader_kwargs, prepare_loader
 from torchyard.trainer.environment import ClusterEnvironment, find_free_port
@@ -30,7 +32,6 @@ from torchyard.trainer.strategies.ps_client import (
     plan_shards,
 )
 from torchyard.trainer.strategies.ps_server import ParameterShard, on_shard, start_serving, stop_serving
-from typing_extensions import override
 
 if TYPE_CHECKING:
     from torchyard.trainer.config import TrainerConfig

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed import rpc
 from torch.futures import Future
 from torch.optim import Optimizer
+
 from torchyard.trainer.data import ResumableBatchSampler
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.optim import needs_closure
