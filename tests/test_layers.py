@@ -189,7 +189,8 @@ def _function_local(where: str, node: ast.AST, module: str, target: str, lines: 
         return [f"{where}:{node.lineno}: {module} imports {target} inside a function: import it at the top, or add "
                 "(file, module) with its reason to FUNCTION_LOCAL (function-local import rule)"]
     above = node.lineno - 1
-    while above in import_lines:  # one comment above a group of imports covers the group
+    # One comment above a group of imports covers the group (isort may part it with blank lines).
+    while above in import_lines or (above >= 1 and not lines[above - 1].strip()):
         above -= 1
     own = lines[node.lineno - 1:node.end_lineno]
     if any("#" in line for line in own) or (above >= 1 and lines[above - 1].strip().startswith("#")):

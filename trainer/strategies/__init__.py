@@ -10,8 +10,8 @@ from typing import Any
 from torchyard.trainer.errors import MisconfigurationError, closest
 from torchyard.trainer.strategies.base import Strategy
 
-#: name -> "module:class", imported when that strategy is built: `from torchyard.trainer import Trainer` then pays for none of
-#: them (ps's torch.distributed.rpc alone takes about 80 ms to import).
+#: name -> "module:class", imported when that strategy is built: importing the Trainer pays for none of them
+#: (ps's torch.distributed.rpc alone takes about 80 ms to import).
 STRATEGIES: dict[str, str] = {
     "single": "torchyard.trainer.strategies.single:SingleDeviceStrategy",
     "dp": "torchyard.trainer.strategies.dp:DataParallelStrategy",
