@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -626,3 +627,34 @@ def test_a_short_fit_writes_every_epoch_value_and_its_last_step(datasets, tmp_pa
     last_loss = module.seen[-1][1]  # batches of 8, 8, 4: the last step is the sixth, in epoch 1
     assert [(row["step"], row["epoch"]) for row in step_rows] == [("6", "1")]
     assert float(step_rows[0]["plain"]) == pytest.approx(last_loss, rel=1e-5)
+
+
+class Tested(Classifier):
+    test_step = Classifier.validation_step
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_an_evaluation_of_a_runs_checkpoint_logs_into_that_run(datasets, tmp_path, capsys, stage):
+    train, val = datasets
+    options = {**QUIET, "max_epochs": 2, "logger": True, "enable_checkpointing": True, "default_root_dir": "."}
+    fitted = Trainer(**options)
+    fitted.fit(Tested(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
+    run = tmp_path / "default" / "version_0"
+    before = {name: (run / name).read_text() for name in ("metrics.csv", "hparams.yaml")}
+    checkpoint = next(path for path in (run / "checkpoints").glob("*.ckpt") if not path.name.startswith("last"))
+    capsys.readouterr()
+    for ckpt_path in (str(checkpoint), "last"):
+        evaluator = Trainer(**options)
+        [results] = getattr(evaluator, stage)(Tested(hidden=8, note="other"), DataLoader(val, batch_size=8),
+                                              ckpt_path=ckpt_path, verbose=False)
+        assert evaluator.log_dir == Path("default/version_0")
+        assert capsys.readouterr().err.count(f"trainer: {stage} loads default/version_0/checkpoints/") == 1
+    # Each evaluation's rows in the stage's file of the run; the run's own files as it wrote them.
+    _, rows = read_csv(run / f"metrics_{stage}.csv")
+    assert [float(row["val_acc"]) for row in rows] == [pytest.approx(results["val_acc"])] * 2
+    assert {name: (run / name).read_text() for name in before} == before
+    assert sorted(path.name for path in tmp_path.glob("default/*")) == ["version_0"]
+    # A fresh module, no checkpoint: a run of its own, as before.
+    fresh = Trainer(**options)
+    getattr(fresh, stage)(Tested(), DataLoader(val, batch_size=8), verbose=False)
+    assert fresh.log_dir == Path("default/version_1") and (fresh.log_dir / "metrics.csv").is_file()

@@ -239,9 +239,10 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {key: value for name, item in tree.items() for key, value in _flat(item, f"{prefix}{name}.").items()}
 
 
-def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any]) -> Path | None:
+def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: str = "fit") -> Path | None:
     """Save the resolved recipe as `folder`/config.yaml; where a run's earlier attempt saved one already, it is kept:
-    a recipe that differs from it is saved beside it (config_resume_<n>.yaml) and its differing keys printed."""
+    a recipe that differs from it is saved beside it (config_resume_<n>.yaml, config_test_<n>.yaml for a test of the
+    run, ...) and its differing keys printed."""
     earlier_path = folder / "config.yaml"
     if not earlier_path.is_file():
         save_run_config(earlier_path, run_config)
@@ -250,10 +251,10 @@ def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any]) -> Path
     changed = sorted(key for key in earlier.keys() | now.keys() if earlier.get(key, "<unset>") != now.get(key, "<unset>"))
     if not changed:
         return None
-    number = 1
-    while (folder / f"config_resume_{number}.yaml").exists():
+    kind, number = "resume" if stage == "fit" else stage, 1
+    while (folder / f"config_{kind}_{number}.yaml").exists():
         number += 1
-    beside = folder / f"config_resume_{number}.yaml"
+    beside = folder / f"config_{kind}_{number}.yaml"
     save_run_config(beside, run_config)
     differences = ", ".join(f"{key}: {earlier.get(key, '<unset>')} -> {now.get(key, '<unset>')}" for key in changed)
     print(f"trainer: this recipe differs from the run's {shown_path(earlier_path)} in {differences}; "
@@ -267,9 +268,10 @@ def write_run_files(trainer: Trainer) -> None:
     if trainer.is_global_zero and trainer.module is not None and trainer.loggers:
         hparams = logged_hparams(trainer.module, trainer.datamodule)
         for logger in trainer.loggers:
-            logger.log_hyperparams(hparams)
+            if getattr(logger, "evaluation_stage", None) is None:  # an evaluated run keeps its own hparams.yaml
+                logger.log_hyperparams(hparams)
     if trainer.is_global_zero and trainer.run_config is not None and not trainer.config.fast_dev_run:
-        save_recipe_beside_earlier(trainer.log_dir, trainer.run_config)
+        save_recipe_beside_earlier(trainer.log_dir, trainer.run_config, trainer.stage or "fit")
     run_id = trainer.strategy.environment.run_id
     if trainer.is_global_zero and run_id is not None and trainer.stage == "fit":  # found again by a restart
         trainer.log_dir.mkdir(parents=True, exist_ok=True)
