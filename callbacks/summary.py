@@ -162,7 +162,7 @@ class ModelSummary(Callback):
         if 0 < self._first_step == trainer.batches_stepped and "reached" in reason:
             # A resume of a finished run: nothing trained, so no summary of nothing.
             print(f"trainer: the run in {folder} is already complete ({reason}); nothing to train. Raise "
-                  "max_epochs or max_steps to train it further.", flush=True)
+                  "max_epochs, max_steps or max_time to train it further.", flush=True)
             return
         self._print_run_summary(trainer)
         print(f"trainer: training stopped: {reason}; run folder {folder}", flush=True)

@@ -955,7 +955,7 @@ def test_a_finished_run_asked_to_resume_says_it_is_complete(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Run summary" not in out and "training stopped" not in out
     assert ("trainer: the run in default/version_0 is already complete (max_epochs=1 reached); nothing to train. "
-            "Raise max_epochs or max_steps to train it further.") in out.splitlines()
+            "Raise max_epochs, max_steps or max_time to train it further.") in out.splitlines()
 
 
 class Endless(torch.utils.data.IterableDataset):

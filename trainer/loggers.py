@@ -167,7 +167,7 @@ class CSVLogger(Logger):
         self._written = len(self.rows)
 
     def log_into_run(self, version: int | str, stage: str) -> None:
-        """As Logger's, after the rows earlier evaluations of that run wrote to the stage's file (kept, not replaced)."""
+        """As Logger's, after the rows that earlier evaluations of the run wrote to the stage's file (kept)."""
         super().log_into_run(version, stage)
         self.rows, self._columns, self._written = self._read_rows(), [], 0
 

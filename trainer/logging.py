@@ -350,10 +350,8 @@ class MetricRows:
         if step % self.log_every_n_steps == 0 and (step != self.last_logged_step or self.row_written_early):
             self.last_logged_step, self.wrote_step_row, self.unwritten_step_row = step, True, None
             self.write(row, step)
-        elif step != self.last_logged_step:
-            pending = self.unwritten_step_row
-            same_step = pending is not None and pending[0] == step  # an accumulated step's later micro-batches
-            self.unwritten_step_row = (step, self.progress.epoch, {**pending[2], **row} if same_step else row)
+        else:  # kept, not copied: this runs every step
+            self.unwritten_step_row = (step, self.progress.epoch, row)
 
     def write_last_step_row(self) -> None:
         """At the end of a fit that wrote no step row (shorter than log_every_n_steps): its last step's values."""

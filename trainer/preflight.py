@@ -248,7 +248,8 @@ def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: 
         save_run_config(earlier_path, run_config)
         return earlier_path
     earlier, now = _flat(yaml.safe_load(earlier_path.read_text()) or {}), _flat(yaml.safe_load(dump_yaml(run_config)))
-    changed = sorted(key for key in earlier.keys() | now.keys() if earlier.get(key, "<unset>") != now.get(key, "<unset>"))
+    unset = "<unset>"
+    changed = sorted(key for key in earlier.keys() | now.keys() if earlier.get(key, unset) != now.get(key, unset))
     if not changed:
         return None
     kind, number = "resume" if stage == "fit" else stage, 1
@@ -256,7 +257,7 @@ def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: 
         number += 1
     beside = folder / f"config_{kind}_{number}.yaml"
     save_run_config(beside, run_config)
-    differences = ", ".join(f"{key}: {earlier.get(key, '<unset>')} -> {now.get(key, '<unset>')}" for key in changed)
+    differences = ", ".join(f"{key}: {earlier.get(key, unset)} -> {now.get(key, unset)}" for key in changed)
     print(f"trainer: this recipe differs from the run's {shown_path(earlier_path)} in {differences}; "
           f"kept that file, saved this one as {beside.name}", flush=True)
     return beside
