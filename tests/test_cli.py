@@ -358,16 +358,19 @@ def test_resuming_last_names_the_checkpoint_and_keeps_the_runs_config_beside_a_d
     [loaded] = [line for line in err.splitlines() if line.startswith("trainer: fit resumes from")]
     assert loaded.startswith("trainer: fit resumes from runs/good/version_0/checkpoints/")
     assert loaded.endswith("(run runs/good/version_0, epoch 0, global step 2)")
-    assert "data.init_args.batch_size: 64 -> 32" in out and "trainer.max_epochs: 1 -> 2" in out
+    assert "data.init_args.batch_size: 64 -> 32" in err and "trainer.max_epochs: 1 -> 2" in err
     assert (folder / "config.yaml").read_text() == first_config  # the run's recipe, as it first ran
     resumed = yaml.safe_load((folder / "config_resume_1.yaml").read_text())
     assert resumed["data"]["init_args"]["batch_size"] == 32 and resumed["trainer"]["max_epochs"] == 2
     # Another resume keeps both earlier files; a recipe the same as the run's saves nothing more.
     assert main(["fit", str(folder / "config_resume_1.yaml"), "ckpt_path=last", "trainer.max_epochs=3", *quiet]) == 0
-    assert "trainer.max_epochs: 1 -> 3" in capsys.readouterr().out
+    assert "trainer.max_epochs: 1 -> 3" in capsys.readouterr().err
     assert sorted(path.name for path in folder.glob("config*.yaml")) == [
         "config.yaml", "config_resume_1.yaml", "config_resume_2.yaml"]
+    # The run's own recipe, or one saved beside it already, is not saved again.
     assert save_recipe_beside_earlier(folder, yaml.safe_load(first_config)) is None
+    resumed_again = yaml.safe_load((folder / "config_resume_2.yaml").read_text())
+    assert save_recipe_beside_earlier(folder, resumed_again) == folder / "config_resume_2.yaml"
     assert len(list(folder.glob("config*.yaml"))) == 3
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -242,7 +243,7 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: str = "fit") -> Path | None:
     """Save the resolved recipe as `folder`/config.yaml; where a run's earlier attempt saved one already, it is kept:
     a recipe that differs from it is saved beside it (config_resume_<n>.yaml, config_test_<n>.yaml for a test of the
-    run, ...) and its differing keys printed."""
+    run, ...; once: a recipe saved there already is not saved again) and its differing keys printed."""
     earlier_path = folder / "config.yaml"
     if not earlier_path.is_file():
         save_run_config(earlier_path, run_config)
@@ -252,15 +253,19 @@ def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: 
     changed = sorted(key for key in earlier.keys() | now.keys() if earlier.get(key, unset) != now.get(key, unset))
     if not changed:
         return None
-    kind, number = "resume" if stage == "fit" else stage, 1
-    while (folder / f"config_{kind}_{number}.yaml").exists():
-        number += 1
-    beside = folder / f"config_{kind}_{number}.yaml"
-    save_run_config(beside, run_config)
     differences = ", ".join(f"{key}: {earlier.get(key, unset)} -> {now.get(key, unset)}" for key in changed)
+    saved = sorted(folder.glob("config_*.yaml"))
+    same = next((path for path in saved if _flat(yaml.safe_load(path.read_text())) == now), None)
+    if same is None:
+        kind, number = "resume" if stage == "fit" else stage, 1
+        while (folder / f"config_{kind}_{number}.yaml").exists():
+            number += 1
+        same = folder / f"config_{kind}_{number}.yaml"
+        save_run_config(same, run_config)
+    # stderr, as the other lines the trainer adds: predict prints its text to stdout
     print(f"trainer: this recipe differs from the run's {shown_path(earlier_path)} in {differences}; "
-          f"kept that file, saved this one as {beside.name}", flush=True)
-    return beside
+          f"kept that file, this recipe is in {same.name}", file=sys.stderr, flush=True)
+    return same
 
 
 def write_run_files(trainer: Trainer) -> None:
