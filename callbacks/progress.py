@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,8 @@ class RichProgressBar(Callback):
     Training batches cost it nothing: rich's refresh thread redraws every `refresh_interval` seconds and
     reads the trainer's counters and logged tensors then (`refresh_interval=0`: a redraw after every batch,
     from the loop). Evaluation bars count their batches. Ranks other than 0 draw nothing. When stdout is not
-    a terminal (CI logs) it prints one line per training epoch instead.
+    a terminal (CI logs) it prints one line per training epoch instead, and one every `line_interval` seconds
+    while an epoch runs (from a thread of its own, so steps still cost nothing; 0: at epoch ends only).
 
     Lightning's arguments mean what they mean there: `refresh_rate` batches between updates of the count
     shown (0 hides the bar), `leave` keeps each finished epoch's bar on screen, `console_kwargs` build the
@@ -69,13 +71,17 @@ class RichProgressBar(Callback):
     """
 
     def __init__(self, refresh_rate: int = 1, leave: bool = False, console_kwargs: dict[str, Any] | None = None,
-                 refresh_interval: float = 0.5, console: Console | None = None) -> None:
+                 refresh_interval: float = 0.5, console: Console | None = None, line_interval: float = 30.0) -> None:
         if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
             raise MisconfigurationError(
                 f"RichProgressBar(refresh_rate={refresh_rate!r}) must be a number of batches >= 0 (0 hides the bar).")
         if not isinstance(refresh_interval, (int, float)) or refresh_interval < 0:
             raise MisconfigurationError(f"RichProgressBar(refresh_interval={refresh_interval!r}) must be seconds >= 0.")
+        if not isinstance(line_interval, (int, float)) or line_interval < 0:
+            raise MisconfigurationError(f"RichProgressBar(line_interval={line_interval!r}) must be seconds >= 0.")
         self.refresh_rate, self.leave, self.refresh_interval = refresh_rate, leave, float(refresh_interval)
+        self.line_interval = float(line_interval)
+        self._lines_stop: threading.Event | None = None  # set to end the epoch's periodic lines
         self._console_kwargs = dict(console_kwargs or {})
         self._user_console = console
         self._console: Console | None = None
@@ -94,7 +100,7 @@ class RichProgressBar(Callback):
         # Consoles and live displays hold files and locks; worker processes build their own.
         state = self.__dict__.copy()
         state.update(_user_console=None, _console=None, _progress=None, _trainer=None, _train_task=None,
-                     _eval_task=None)
+                     _eval_task=None, _lines_stop=None)
         return state
 
     def uses_hook(self, hook: str) -> bool:
@@ -127,6 +133,7 @@ class RichProgressBar(Callback):
         return self._progress
 
     def _stop(self) -> None:
+        self._stop_lines()
         if self._progress is not None:
             self._progress.stop()
         self._progress, self._train_task, self._eval_task = None, None, None
@@ -151,6 +158,7 @@ class RichProgressBar(Callback):
         self._epoch_started = time.monotonic()
         progress = self._live()
         if progress is None:
+            self._start_lines()
             return
         description = self._epoch_description(trainer)
         # math.inf for a loader without a length: rich then draws an open-ended bar ("n/?").
@@ -192,13 +200,39 @@ class RichProgressBar(Callback):
             self._ended_epoch_batches = trainer.batches_this_epoch  # the loop resets it before on_train_end
             self._redraw()
             return
+        self._stop_lines()
+        self._print_line(trainer)
+
+    def _print_line(self, trainer: Trainer) -> None:
+        """'Epoch 1/4: 12/40 batches, 3.1s, ...' (a loader without a length: '12 batches')."""
         elapsed = time.monotonic() - self._epoch_started
-        done = trainer.batches_this_epoch
+        done, total = trainer.batches_this_epoch, trainer.num_training_batches
         rate = (done - self._epoch_first_batch) / elapsed if elapsed > 0 else 0.0
-        line = (f"{self._epoch_description(trainer)}: {done}/{trainer.num_training_batches} batches, "
-                f"{elapsed:.1f}s, {rate:.1f} it/s, {metrics_text(trainer)}")
+        count = f"{done}/{total}" if math.isfinite(total) else str(done)
+        line = (f"{self._epoch_description(trainer)}: {count} batches, {elapsed:.1f}s, {rate:.1f} it/s, "
+                f"{metrics_text(trainer)}")
         assert self._console is not None
         self._console.print(Text(line), soft_wrap=True, highlight=False)
+
+    def _start_lines(self) -> None:
+        """Outside a terminal: a line every line_interval seconds while the epoch runs, printed by a thread."""
+        if self.line_interval <= 0:
+            return
+        self._stop_lines()
+        self._lines_stop = stop = threading.Event()
+        threading.Thread(target=self._print_lines, args=(stop,), name="progress-lines", daemon=True).start()
+
+    def _print_lines(self, stop: threading.Event) -> None:
+        while not stop.wait(self.line_interval):
+            trainer = self._trainer
+            if trainer is None:
+                return
+            self._print_line(trainer)
+
+    def _stop_lines(self) -> None:
+        if self._lines_stop is not None:
+            self._lines_stop.set()
+            self._lines_stop = None
 
     # ------------------------------------------------------------------ evaluation bars (transient)
     def _eval_start(self, description: str) -> None:

@@ -13,8 +13,11 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from torchyard.callbacks.base import Callback
+from torchyard.callbacks.early_stopping import EarlyStopping
+from torchyard.callbacks.timer import Timer
 from torchyard.trainer.data import samples_in_batches
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.resume import shown_path
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
@@ -63,9 +66,37 @@ def human_count(number: float) -> str:
     return f"{number:.1f} T"
 
 
+def processes_line(trainer: Trainer) -> str:
+    """'trainer: fit with strategy ddp, 2 processes on cpu (1 node)': what runs the fit."""
+    strategy = trainer.strategy
+    count = strategy.world_size
+    nodes = f", {strategy.num_nodes} nodes" if strategy.num_nodes > 1 else ""
+    return (f"trainer: fit with strategy {strategy.name}, {count} process{'es' if count != 1 else ''} "
+            f"on {strategy.root_device.type}{nodes}")
+
+
+def stop_reason(trainer: Trainer) -> str:
+    """Why a fit's training ended, read from the trainer and its callbacks once it has (nothing is tracked per step)."""
+    config, progress = trainer.config, trainer.progress
+    if trainer.should_stop:
+        early = next((c for c in trainer.callbacks if isinstance(c, EarlyStopping) and c.stopping_reason), None)
+        if early is not None:
+            return f"early stopping: {early.stopping_reason.removesuffix(' Stopping.').rstrip('.')}"
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer) and c.duration is not None
+                      and c.time_remaining("train") <= 0), None)
+        if timer is not None:
+            return f"time limit reached ({timedelta(seconds=timer.duration)})"
+    if config.max_steps != -1 and progress.global_step >= config.max_steps:
+        return f"max_steps={config.max_steps} reached"
+    if trainer.max_epochs != -1 and progress.epoch >= trainer.max_epochs:
+        return f"max_epochs={trainer.max_epochs} reached"
+    return "trainer.should_stop was set" if trainer.should_stop else "the training loader ran out"
+
+
 class ModelSummary(Callback):
-    """Prints (rank 0) the module's layers and parameter totals at fit start (`max_depth` levels deep; 0: no table),
-    and a run summary at fit end."""
+    """Prints (rank 0) which strategy runs how many processes and the module's layers and parameter totals at fit
+    start (`max_depth` levels deep; 0: no table), and at fit end a run summary and one line: why training stopped,
+    and the run's folder."""
 
     def __init__(self, max_depth: int = 1) -> None:
         if not isinstance(max_depth, int) or max_depth < -1:
@@ -76,7 +107,7 @@ class ModelSummary(Callback):
         self.model_size_mb = 0.0
         self.run_summary: dict[str, Any] = {}
         self._fit_start = self._train_start = self._train_end = 0.0
-        self._batches_samples = 0
+        self._batches_samples = self._first_step = 0
 
     # ------------------------------------------------------------------ fit start: the layer table
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -88,6 +119,7 @@ class ModelSummary(Callback):
         self.non_trainable_parameters = self.total_parameters - self.trainable_parameters
         self.model_size_mb = sum(p.numel() * p.element_size() for p in module.parameters()
                                  if not isinstance(p, UninitializedParameter)) / 1e6
+        print(processes_line(trainer), flush=True)
         if self.max_depth != 0:  # 0 turns the table off, as in Lightning; the run summary still prints
             Console().print(self.layer_table())
 
@@ -110,6 +142,7 @@ class ModelSummary(Callback):
     # ------------------------------------------------------------------ during training: count samples
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._train_start, self._train_samples = time.perf_counter(), 0
+        self._first_step = trainer.batches_stepped
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._first_batch = trainer.batches_this_epoch  # a resumed epoch starts mid-way
@@ -126,6 +159,16 @@ class ModelSummary(Callback):
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
         if not trainer.is_global_zero:
             return
+        reason, folder = stop_reason(trainer), shown_path(trainer.log_dir)
+        if 0 < self._first_step == trainer.batches_stepped and "reached" in reason:
+            # A resume of a finished run: nothing trained, so no summary of nothing.
+            print(f"trainer: the run in {folder} is already complete ({reason}); nothing to train. Raise "
+                  "max_epochs, max_steps or max_time to train it further.", flush=True)
+            return
+        self._print_run_summary(trainer)
+        print(f"trainer: training stopped: {reason}; run folder {folder}", flush=True)
+
+    def _print_run_summary(self, trainer: Trainer) -> None:
         train_seconds = max(self._train_end - self._train_start, 1e-9)
         samples = self._train_samples * trainer.strategy.data_parallel_size if self._train_samples is not None else None
         summary: dict[str, Any] = {"fit wall time (s)": time.perf_counter() - self._fit_start, "train samples": samples,

@@ -962,3 +962,64 @@ def test_a_prediction_writer_gets_each_batch_with_the_dataset_indices_its_sample
         MisconfigurationError, match=r"KeepingWriter\(write_interval='step'\) is not known; use one of batch, epoch"
     ):
         KeepingWriter("step")
+
+
+# --------------------------------------------------------------------------- what a fit says at its start and end
+
+
+def said(capsys, prefix: str) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize(("options", "extra", "reason"), [
+    ({"max_epochs": 2}, [], "max_epochs=2 reached"),
+    ({"max_epochs": 5, "max_steps": 3}, [], "max_steps=3 reached"),
+    ({"max_epochs": 5}, [EarlyStopping("val/score", patience=1)],
+     "early stopping: 'val/score' did not improve by more than 0.0 in the last 1 checks (best 1)"),
+    ({"max_epochs": 1000, "max_time": {"seconds": 0.02}}, [], "time limit reached (0:00:00.020000)"),
+])
+def test_a_fit_says_what_runs_it_and_at_its_end_why_it_stopped_and_where_its_run_is(tmp_path, capsys, options,
+                                                                                        extra, reason):
+    module = Scripted([1.0, 2.0, 3.0, 4.0, 5.0], sleep=0.005 if "max_time" in options else 0.0)
+    make_trainer(tmp_path, [ModelSummary(max_depth=0), *extra], **options).fit(module, *loaders())
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("trainer: ")] == [
+        "trainer: fit with strategy single, 1 process on cpu",
+        f"trainer: training stopped: {reason}; run folder default/version_0"]
+    # Quiet without the summary, as the run summary is.
+    make_trainer(tmp_path, extra, **options).fit(Scripted([1.0, 2.0, 3.0, 4.0, 5.0]), *loaders())
+    assert said(capsys, "trainer: ") == []
+
+
+def test_a_finished_run_asked_to_resume_says_it_is_complete(tmp_path, capsys):
+    checkpoint = ModelCheckpoint(save_top_k=0, save_last=True)
+    make_trainer(tmp_path, [ModelSummary(0), checkpoint], max_epochs=1).fit(Scripted(), *loaders())
+    capsys.readouterr()
+    resumed = make_trainer(tmp_path, [ModelSummary(0), ModelCheckpoint(save_top_k=0, save_last=True)], max_epochs=1)
+    resumed.fit(Scripted(), *loaders(), ckpt_path="last")
+    out = capsys.readouterr().out
+    assert "Run summary" not in out and "training stopped" not in out
+    assert ("trainer: the run in default/version_0 is already complete (max_epochs=1 reached); nothing to train. "
+            "Raise max_epochs, max_steps or max_time to train it further.") in out.splitlines()
+
+
+class Endless(torch.utils.data.IterableDataset):
+    """Batches without a length: a loader over it counts as math.inf batches an epoch."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(12):
+            yield torch.randn(4, generator=generator), torch.randn(1, generator=generator)
+
+
+def test_progress_lines_outside_a_terminal_count_unsized_loaders_and_come_every_line_interval(tmp_path, capsys):
+    bar = RichProgressBar(line_interval=0.05)
+    trainer = make_trainer(tmp_path, [bar], max_epochs=1)
+    assert trainer.hooks.bound("on_train_batch_end") is None  # the lines cost the steps nothing
+    trainer.fit(Scripted(sleep=0.02), DataLoader(Endless(), batch_size=1))
+    lines = said(capsys, "Epoch 0/0: ")
+    assert lines[-1].startswith("Epoch 0/0: 12 batches, ") and "inf" not in "".join(lines)
+    counts = [int(line.split(": ")[1].split(" ")[0]) for line in lines[:-1]]
+    assert counts and counts == sorted(counts) and counts[-1] <= 12  # lines while the epoch ran
+    with pytest.raises(MisconfigurationError, match="line_interval"):
+        RichProgressBar(line_interval=-1)

@@ -20,6 +20,7 @@ from torchyard.trainer.config import (
     update_readme,
 )
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.preflight import save_recipe_beside_earlier
 from torchyard.trainer.recipe import init_parameters, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -367,6 +368,36 @@ def test_a_resume_refused_for_misfit_weights_leaves_the_runs_files_as_they_were(
     assert "the checkpoint's weights do not fit DigitsCNN" in capsys.readouterr().err
     assert {name: (folder / name).read_text() for name in before} == before
     assert main(["fit", str(folder / "config.yaml"), f"ckpt_path={saved}", "trainer.max_epochs=2", *quiet]) == 0
+
+
+@pytest.mark.slow  # three CLI fits
+def test_resuming_last_names_the_checkpoint_and_keeps_the_runs_config_beside_a_differing_one(recipes_here, capsys):
+    quiet = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "trainer.enable_model_summary=false",
+             "callbacks.0.init_args.save_last=true"]
+    assert main(["fit", "good.yaml", *quiet]) == 0
+    folder = recipes_here / "runs" / "good" / "version_0"
+    first_config = (folder / "config.yaml").read_text()
+    capsys.readouterr()
+    assert main(["fit", "good.yaml", "ckpt_path=last", "trainer.max_epochs=2", "data.init_args.batch_size=32",
+                 *quiet]) == 0
+    out, err = capsys.readouterr()
+    [loaded] = [line for line in err.splitlines() if line.startswith("trainer: fit resumes from")]
+    assert loaded.startswith("trainer: fit resumes from runs/good/version_0/checkpoints/")
+    assert loaded.endswith("(run runs/good/version_0, epoch 0, global step 2)")
+    assert "data.init_args.batch_size: 64 -> 32" in err and "trainer.max_epochs: 1 -> 2" in err
+    assert (folder / "config.yaml").read_text() == first_config  # the run's recipe, as it first ran
+    resumed = yaml.safe_load((folder / "config_resume_1.yaml").read_text())
+    assert resumed["data"]["init_args"]["batch_size"] == 32 and resumed["trainer"]["max_epochs"] == 2
+    # Another resume keeps both earlier files; a recipe the same as the run's saves nothing more.
+    assert main(["fit", str(folder / "config_resume_1.yaml"), "ckpt_path=last", "trainer.max_epochs=3", *quiet]) == 0
+    assert "trainer.max_epochs: 1 -> 3" in capsys.readouterr().err
+    assert sorted(path.name for path in folder.glob("config*.yaml")) == [
+        "config.yaml", "config_resume_1.yaml", "config_resume_2.yaml"]
+    # The run's own recipe, or one saved beside it already, is not saved again.
+    assert save_recipe_beside_earlier(folder, yaml.safe_load(first_config)) is None
+    resumed_again = yaml.safe_load((folder / "config_resume_2.yaml").read_text())
+    assert save_recipe_beside_earlier(folder, resumed_again) == folder / "config_resume_2.yaml"
+    assert len(list(folder.glob("config*.yaml"))) == 3
 
 
 def test_unknown_command_is_a_usage_error(capsys):

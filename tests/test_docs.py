@@ -113,9 +113,11 @@ def run_block(folder: Path, block: Block) -> subprocess.CompletedProcess:
 
 
 def check_quickstart(folder: Path) -> None:
-    """The README's Python quick start wrote its run: a last.ckpt and the module's hyperparameters."""
+    """The README's Python quick start wrote its run: a last.ckpt, the module's hyperparameters and its metrics
+    (its 24 steps are fewer than log_every_n_steps: the last one's values)."""
     run = folder / "runs" / "default" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "hparams.yaml").read_text().strip() == "lr: 0.01"
+    assert (run / "metrics.csv").read_text().splitlines()[0].split(",") == ["step", "train/loss", "epoch"]
 
 
 # What some blocks leave behind, checked beyond their exit code: (page, the block's `file:` name) -> check.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -527,7 +528,7 @@ def test_a_fit_too_short_for_its_logging_interval_says_so(datasets, tmp_path):
             Probe({}), DataLoader(datasets[0], batch_size=8))
 
     with pytest.warns(UserWarning, match=r"this fit takes 6 optimizer steps, fewer than log_every_n_steps=50, so its "
-                                         r"loggers get no per-step values"):
+                                         r"loggers get only its last step's per-step values, and its epoch values"):
         fit()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -614,3 +615,68 @@ def test_each_stage_reports_only_its_own_values(datasets, tmp_path):
     assert {"train_only", "val_value"} <= set(trainer.callback_metrics)
     trainer.validate(dataloaders=DataLoader(val, batch_size=8), verbose=False)
     assert set(trainer.callback_metrics) == {"val_value"}
+
+
+def readme_quickstart() -> dict:
+    """The names README.md's quickstart.py defines (Net, Data), as a user importing it gets them."""
+    from test_docs import REPO, read_blocks
+
+    block = next(block for block in read_blocks(REPO / "README.md") if block.file_name == "quickstart.py")
+    names: dict = {"__name__": "quickstart"}
+    exec(compile(block.code, "quickstart.py", "exec"), names)
+    return names
+
+
+def test_the_readme_quickstart_writes_its_metrics_though_shorter_than_log_every_n_steps(tmp_path):
+    quickstart = readme_quickstart()
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="fewer than log_every_n_steps=50") as record:
+        quickstart["Trainer"](max_epochs=3).fit(quickstart["Net"](), datamodule=quickstart["Data"]())
+    shown = [warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in record]
+    assert not [line for line in shown if "trainer/" in line or ".py:" in line]  # no framework file and line
+    columns, rows = read_csv(tmp_path / "runs" / "default" / "version_0" / "metrics.csv")
+    # 256 samples in batches of 32: 8 steps an epoch, 24 in all; the last one's loss, in the last epoch.
+    assert [(row["step"], row["epoch"]) for row in rows] == [("24", "2")] and 0 < float(rows[0]["train/loss"]) < 5
+
+
+def test_a_short_fit_writes_every_epoch_value_and_its_last_step(datasets, tmp_path):
+    module, trainer = fit_classifier(datasets, logger=True, default_root_dir=str(tmp_path))
+    _, rows = read_csv(trainer.log_dir / "metrics.csv")
+    epoch_rows = [row for row in rows if row.get("train_loss_epoch")]
+    assert [row["epoch"] for row in epoch_rows] == ["0", "1"]
+    assert [row["epoch"] for row in rows if row.get("val_acc")] == ["0", "1"]
+    step_rows = [row for row in rows if row.get("plain")]
+    last_loss = module.seen[-1][1]  # batches of 8, 8, 4: the last step is the sixth, in epoch 1
+    assert [(row["step"], row["epoch"]) for row in step_rows] == [("6", "1")]
+    assert float(step_rows[0]["plain"]) == pytest.approx(last_loss, rel=1e-5)
+
+
+class Tested(Classifier):
+    test_step = Classifier.validation_step
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_an_evaluation_of_a_runs_checkpoint_logs_into_that_run(datasets, tmp_path, capsys, stage):
+    train, val = datasets
+    options = {**QUIET, "max_epochs": 2, "logger": True, "enable_checkpointing": True, "default_root_dir": "."}
+    fitted = Trainer(**options)
+    fitted.fit(Tested(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
+    run = tmp_path / "default" / "version_0"
+    before = {name: (run / name).read_text() for name in ("metrics.csv", "hparams.yaml")}
+    checkpoint = next(path for path in (run / "checkpoints").glob("*.ckpt") if not path.name.startswith("last"))
+    capsys.readouterr()
+    for ckpt_path in (str(checkpoint), "last"):
+        evaluator = Trainer(**options)
+        [results] = getattr(evaluator, stage)(Tested(hidden=8, note="other"), DataLoader(val, batch_size=8),
+                                              ckpt_path=ckpt_path, verbose=False)
+        assert evaluator.log_dir == Path("default/version_0")
+        assert capsys.readouterr().err.count(f"trainer: {stage} loads default/version_0/checkpoints/") == 1
+    # Each evaluation's rows in the stage's file of the run; the run's own files as it wrote them.
+    _, rows = read_csv(run / f"metrics_{stage}.csv")
+    assert [float(row["val_acc"]) for row in rows] == [pytest.approx(results["val_acc"])] * 2
+    assert {name: (run / name).read_text() for name in before} == before
+    assert sorted(path.name for path in tmp_path.glob("default/*")) == ["version_0"]
+    # A fresh module, no checkpoint: a run of its own, as before.
+    fresh = Trainer(**options)
+    getattr(fresh, stage)(Tested(), DataLoader(val, batch_size=8), verbose=False)
+    assert fresh.log_dir == Path("default/version_1") and (fresh.log_dir / "metrics.csv").is_file()

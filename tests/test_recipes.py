@@ -98,9 +98,11 @@ def test_digits_config_yaml_reruns_resumes_and_predicts(tmp_path):
         first / "checkpoints" / "last.ckpt", tmp_path / "runs" / "straight" / "version_0" / "checkpoints" / "last.ckpt"
     )
 
-    # predict saves the predicted classes, which are the checkpoint's argmax over the validation images.
+    # predict saves the predicted classes, which are the checkpoint's argmax over the validation images, in the
+    # folder of the run whose checkpoint it loaded (no version_2).
     assert main(["predict", str(config), "ckpt_path=last"]) == 0
-    predictions = torch.cat(torch.load(root / "version_2" / "predictions.pt", weights_only=True))
+    assert not (root / "version_2").exists()
+    predictions = torch.cat(torch.load(first / "predictions.pt", weights_only=True))
     model = DigitsCNN.load_from_checkpoint(first / "checkpoints" / "last.ckpt").eval()
     data = DigitsData()
     data.setup("predict")

@@ -24,6 +24,9 @@ class Logger:
         self._version = version
         self.prefix = prefix
         self._claim: VersionClaim | None = None
+        # Set when a validate/test/predict logs into the folder of the run whose checkpoint it was given: its
+        # values go to a file of their own there, and the run's hparams.yaml stays as the run wrote it.
+        self.evaluation_stage: str | None = None
 
     def prefixed(self, metrics: Mapping[str, float]) -> Mapping[str, float]:
         """`metrics` with this logger's prefix on their names."""
@@ -57,6 +60,10 @@ class Logger:
         claim = getattr(self, "_claim", None)  # a subclass may not call Logger.__init__
         if claim is not None:
             claim.release()  # a run that wrote nothing leaves no folder behind
+
+    def log_into_run(self, version: int | str, stage: str) -> None:
+        """Write a validate/test/predict of the run `version` (given its checkpoint) into that run's folder."""
+        self.version, self.evaluation_stage = version, stage
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "folder": run_folder(self.save_dir, self.name)}
@@ -122,7 +129,10 @@ class CSVLogger(Logger):
 
     @property
     def metrics_path(self) -> Path:
-        return self.log_dir / "metrics.csv"
+        """metrics.csv; metrics_<stage>.csv for an evaluation logged into the run it evaluates (its training rows
+        stay as they were, and `trainer plot` reads the training curves alone)."""
+        stage = getattr(self, "evaluation_stage", None)  # a subclass may not call Logger.__init__
+        return self.log_dir / (f"metrics_{stage}.csv" if stage else "metrics.csv")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": step, **self.prefixed(metrics)}
@@ -156,6 +166,21 @@ class CSVLogger(Logger):
                 csv.DictWriter(f, fieldnames=columns).writerows(self.rows[self._written:])
         self._written = len(self.rows)
 
+    def log_into_run(self, version: int | str, stage: str) -> None:
+        """As Logger's, after the rows that earlier evaluations of the run wrote to the stage's file (kept)."""
+        super().log_into_run(version, stage)
+        self.rows, self._columns, self._written = self._read_rows(), [], 0
+
+    def _read_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        if self.metrics_path.exists():
+            with open(self.metrics_path, newline="") as f:
+                for row in csv.DictReader(f):
+                    # step and epoch were written as ints: read them back as ints, or the rewrite says "0.0".
+                    counts = ("step", "epoch", f"{self.prefix}-epoch")
+                    rows.append({k: int(float(v)) if k in counts else float(v) for k, v in row.items() if v != ""})
+        return rows
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "rows": len(self.rows)}
 
@@ -165,13 +190,7 @@ class CSVLogger(Logger):
         the resumed one logs again; so are rows at its step that the resumed fit logs again (a validation or
         an epoch end that followed the checkpoint): each such row is replaced by the new one."""
         super().load_state_dict(state)
-        rows = []
-        if self.metrics_path.exists():
-            with open(self.metrics_path, newline="") as f:
-                for row in csv.DictReader(f):
-                    # step and epoch were written as ints: read them back as ints, or the rewrite says "0.0".
-                    counts = ("step", "epoch", f"{self.prefix}-epoch")
-                    rows.append({k: int(float(v)) if k in counts else float(v) for k, v in row.items() if v != ""})
+        rows = self._read_rows()
         saved, step = state.get("rows", len(rows)), state.get("step", -1)
         kept_after = [row for row in rows[saved:] if row.get("step", step + 1) <= step]
         self.rows = rows[:saved] + kept_after

@@ -328,6 +328,10 @@ class MetricRows:
         self.step_row: dict[str, torch.Tensor] | None = None  # a step's values waiting for on_train_batch_end
         self.row_written_early = False
         self.epoch_row: dict[str, torch.Tensor] | None = None  # an epoch's values waiting for on_train_epoch_end
+        # The newest step row that was not due (step, epoch, values): a fit shorter than log_every_n_steps writes it
+        # at its end (write_last_step_row), so that its metrics.csv is not missing or empty.
+        self.unwritten_step_row: tuple[int, int, dict[str, torch.Tensor]] | None = None
+        self.wrote_step_row = False
 
     def publish_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool = True) -> None:
         """Make a step's (for loggers, for the bar, for callbacks) values visible; write them every n steps. With
@@ -352,8 +356,18 @@ class MetricRows:
         # One row per step: later micro-batches of an accumulated step share it and are not written, unless a
         # checkpoint wrote the step's row early (flush) and on_train_batch_end logged more after it.
         if step % self.log_every_n_steps == 0 and (step != self.last_logged_step or self.row_written_early):
-            self.last_logged_step = step
+            self.last_logged_step, self.wrote_step_row, self.unwritten_step_row = step, True, None
             self.write(row, step)
+        else:  # kept, not copied: this runs every step
+            self.unwritten_step_row = (step, self.progress.epoch, row)
+
+    def write_last_step_row(self) -> None:
+        """At the end of a fit that wrote no step row (shorter than log_every_n_steps): its last step's values."""
+        if self.wrote_step_row or self.unwritten_step_row is None:
+            return
+        step, epoch, row = self.unwritten_step_row
+        self.unwritten_step_row, self.last_logged_step = None, step
+        self.write(row, step, epoch)
 
     def publish_eval_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool) -> None:
         """What an evaluation step logged with on_step=True: to the bar, and (`write`) to the loggers, at the
@@ -392,11 +406,11 @@ class MetricRows:
         if self.epoch_row:
             self.write_epoch_row()
 
-    def write(self, values: dict[str, Any], step: int) -> None:
-        """One row for the loggers: `values` as floats, and the epoch they were logged in."""
+    def write(self, values: dict[str, Any], step: int, epoch: int | None = None) -> None:
+        """One row for the loggers: `values` as floats, and the epoch they were logged in (`epoch`, else now)."""
         floats: dict[str, Any] = {k: float(v) for k, v in values.items()}
         self.logged_metrics.update(floats)  # what was logged; the epoch column is the loggers' (as in Lightning)
-        floats.setdefault("epoch", self.progress.epoch)
+        floats.setdefault("epoch", self.progress.epoch if epoch is None else epoch)
         if self.writes:
             for logger in self.loggers:
                 logger.log_metrics(floats, step)

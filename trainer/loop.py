@@ -56,6 +56,7 @@ def fit_loop(
             if not progress.epoch_done:
                 break  # stopped mid-epoch (should_stop or max_steps): the epoch does not count as finished
             progress.new_epoch()
+        trainer.metrics.rows.write_last_step_row()
         hooks.call("on_train_end")
 
 
@@ -238,7 +239,7 @@ def _fit_loaders_as_of(trainer: Trainer, epoch: int) -> list[DataLoader]:
 
 
 def _warn_if_no_step_is_logged(trainer: Trainer) -> None:
-    """As Lightning does: a fit shorter than log_every_n_steps writes no per-step row, which looks like a bug."""
+    """A fit shorter than log_every_n_steps writes its epoch values and only its last step's values."""
     config = trainer.config
     if not trainer.loggers or not trainer.is_global_zero or config.fast_dev_run:
         return
@@ -246,8 +247,8 @@ def _warn_if_no_step_is_logged(trainer: Trainer) -> None:
     if steps < config.log_every_n_steps:
         warnings.warn(
             f"this fit takes {steps} optimizer steps, fewer than log_every_n_steps={config.log_every_n_steps}, "
-            "so its loggers get no per-step values (epoch values are written); set log_every_n_steps lower "
-            "to see them.",
+            "so its loggers get only its last step's per-step values, and its epoch values; set "
+            "log_every_n_steps lower to see every step.",
             stacklevel=5,
         )
 

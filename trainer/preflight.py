@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
 from torch.optim import Optimizer
 
 from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 from torchyard.callbacks.base import Callback
-from torchyard.trainer.config import TrainerConfig, save_run_config
+from torchyard.trainer.config import TrainerConfig, dump_yaml, save_run_config
 from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.logging import CSVLogger, Logger, TensorBoardLogger
@@ -21,6 +24,7 @@ from torchyard.trainer.optim import (
     is_torch_scheduler,
     parse_optimizers,
 )
+from torchyard.trainer.resume import shown_path
 from torchyard.trainer.runs import RUN_ID_FILE
 
 if TYPE_CHECKING:
@@ -230,15 +234,51 @@ def build_optimizers(trainer: Trainer, module: TrainModule) -> tuple[list[Optimi
     return optimizers, schedulers, lr_scaler
 
 
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested recipe as {"model.lr": 0.1, ...}, so that two recipes compare key by key."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix.rstrip("."): tree}
+    return {key: value for name, item in tree.items() for key, value in _flat(item, f"{prefix}{name}.").items()}
+
+
+def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: str = "fit") -> Path | None:
+    """Save the resolved recipe as `folder`/config.yaml; where a run's earlier attempt saved one already, it is kept:
+    a recipe that differs from it is saved beside it (config_resume_<n>.yaml, config_test_<n>.yaml for a test of the
+    run, ...; once: a recipe saved there already is not saved again) and its differing keys printed."""
+    earlier_path = folder / "config.yaml"
+    if not earlier_path.is_file():
+        save_run_config(earlier_path, run_config)
+        return earlier_path
+    earlier, now = _flat(yaml.safe_load(earlier_path.read_text()) or {}), _flat(yaml.safe_load(dump_yaml(run_config)))
+    unset = "<unset>"
+    changed = sorted(key for key in earlier.keys() | now.keys() if earlier.get(key, unset) != now.get(key, unset))
+    if not changed:
+        return None
+    differences = ", ".join(f"{key}: {earlier.get(key, unset)} -> {now.get(key, unset)}" for key in changed)
+    saved = sorted(folder.glob("config_*.yaml"))
+    same = next((path for path in saved if _flat(yaml.safe_load(path.read_text())) == now), None)
+    if same is None:
+        kind, number = "resume" if stage == "fit" else stage, 1
+        while (folder / f"config_{kind}_{number}.yaml").exists():
+            number += 1
+        same = folder / f"config_{kind}_{number}.yaml"
+        save_run_config(same, run_config)
+    # stderr, as the other lines the trainer adds: predict prints its text to stdout
+    print(f"trainer: this recipe differs from the run's {shown_path(earlier_path)} in {differences}; "
+          f"kept that file, this recipe is in {same.name}", file=sys.stderr, flush=True)
+    return same
+
+
 def write_run_files(trainer: Trainer) -> None:
     """hparams.yaml (through the loggers) and the recipe's config.yaml in the run folder. Written once the
     stage's checkpoint, if any, has been restored: a refused one leaves a resumed run's files as they were."""
     if trainer.is_global_zero and trainer.module is not None and trainer.loggers:
         hparams = logged_hparams(trainer.module, trainer.datamodule)
         for logger in trainer.loggers:
-            logger.log_hyperparams(hparams)
+            if getattr(logger, "evaluation_stage", None) is None:  # an evaluated run keeps its own hparams.yaml
+                logger.log_hyperparams(hparams)
     if trainer.is_global_zero and trainer.run_config is not None and not trainer.config.fast_dev_run:
-        save_run_config(trainer.log_dir / "config.yaml", trainer.run_config)
+        save_recipe_beside_earlier(trainer.log_dir, trainer.run_config, trainer.stage or "fit")
     run_id = trainer.strategy.environment.run_id
     if trainer.is_global_zero and run_id is not None and trainer.stage == "fit":  # found again by a restart
         trainer.log_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ checkpoints count.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from collections.abc import Iterable
@@ -20,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from torchyard.trainer.checkpoint import saved_position
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.trainer.runs import version_folder
+
+_RUN_FOLDER_NAME = re.compile(r"version_\d+")  # a numbered run folder, as runs.py names them
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
@@ -178,17 +182,52 @@ def load_resume_checkpoint(
     strategy: Strategy, ckpt: Path | NewestCheckpoint | None, stage: str = "fit"
 ) -> dict[str, Any] | None:
     """The checkpoint a stage starts from: a given file (errors are the user's to see) or the best good one
-    ("last"; a fit needs one it can resume from, an evaluation only weights)."""
+    ("last"; a fit needs one it can resume from, an evaluation only weights). Rank 0 prints which file, of which run."""
     if ckpt is None:
         return None
     if not isinstance(ckpt, NewestCheckpoint):
-        return strategy.load_checkpoint(ckpt)
-    found = load_newest(strategy, [ckpt.folder], resumable=stage == "fit")
-    if found is None:
-        hint = ", and weights-only ones (save_weights_only=True) hold no training state" if stage == "fit" else ""
-        raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be used: those that do not '
-                              f"read are warned about above{hint}.")
-    return found[1]
+        path, checkpoint = Path(ckpt), strategy.load_checkpoint(ckpt)
+    else:
+        found = load_newest(strategy, [ckpt.folder], resumable=stage == "fit")
+        if found is None:
+            hint = ", and weights-only ones (save_weights_only=True) hold no training state" if stage == "fit" else ""
+            raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be used: those that do '
+                                  f"not read are warned about above{hint}.")
+        path, checkpoint = found
+    if strategy.is_global_zero:
+        print(loaded_checkpoint_line(stage, path, checkpoint), file=sys.stderr, flush=True)
+    return checkpoint
+
+
+def loaded_checkpoint_line(stage: str, path: Path, checkpoint: dict[str, Any]) -> str:
+    """One line: the checkpoint a stage loaded, the run that saved it and how far that run had trained."""
+    loops = checkpoint.get("loops", {})
+    progress = loops.get("progress", {})
+    run = checkpoint_run_folder(path, checkpoint)
+    where = f"run {shown_path(run)}" if run is not None else "run unknown"
+    if progress:
+        where += f", epoch {progress.get('epoch', '?')}, global step {progress.get('global_step', '?')}"
+    verb = "resumes from" if stage == "fit" else "loads"
+    return f"trainer: {stage} {verb} {shown_path(path)} ({where})"
+
+
+def checkpoint_run_folder(path: Path, checkpoint: dict[str, Any]) -> Path | None:
+    """The version folder of the run that saved a checkpoint: as the checkpoint records it, where that folder exists,
+    else the version_<n> folder the file lies in."""
+    loops = checkpoint.get("loops", {})
+    if "version" in loops and "folder" in loops:
+        recorded = Path(loops["folder"]) / version_folder(loops["version"])
+        if recorded.is_dir():
+            return recorded
+    return next((parent for parent in Path(path).resolve().parents if _RUN_FOLDER_NAME.fullmatch(parent.name)), None)
+
+
+def shown_path(path: str | Path) -> str:
+    """`path` relative to the working folder where it lies below it (shorter to read), else as it is."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def resume_after_restart(trainer: Trainer, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -146,6 +146,19 @@ class RunFolder:
         version = progress["version"] if ours else self.number() if rank_zero else None
         self.version = strategy.broadcast(version)
 
+    def adopt_evaluated_run(self, checkpoint: dict[str, Any] | None, loggers: list[Logger], stage: str) -> None:
+        """validate/test/predict given a checkpoint of a run of this name log into that run's folder (each logger
+        whose version is not chosen yet, in a file of the stage's own), instead of numbering a new one."""
+        if checkpoint is None:
+            return
+        saved = checkpoint.get("loggers", [])
+        for logger, state in zip(loggers, saved):
+            if not logger.version_chosen and "version" in state and logger.continues(state):
+                logger.log_into_run(state["version"], stage)
+        progress, here = checkpoint.get("loops", {}), run_folder(self.save_dir, self.name)
+        if not loggers and self.version is None and "version" in progress and progress.get("folder") == here:
+            self.version = progress["version"]
+
     def release(self) -> None:
         """Give back the folder claimed for a run that wrote nothing there."""
         if self.claim is not None:

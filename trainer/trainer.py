@@ -406,6 +406,7 @@ class Trainer:
         """Versions, loaders, the module on its devices, optimizers, callbacks set up, the checkpoint restored."""
         strategy = self.strategy
         checkpoint = load_resume_checkpoint(strategy, ckpt, stage)
+        self._run_folder.adopt_evaluated_run(checkpoint if stage != "fit" else None, self.loggers, stage)
         self._run_folder.settle(strategy, checkpoint if stage == "fit" and checkpoint is not None else {}, self.loggers)
         prepared = stage_loaders(strategy, stage, module, datamodule, loaders, self.config.seed or 0,
                                  checkpoint.get("datamodule") if checkpoint is not None else None)
