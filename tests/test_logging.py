@@ -640,7 +640,8 @@ def test_the_readme_quickstart_writes_its_metrics_though_shorter_than_log_every_
 
 
 def test_a_short_fit_writes_every_epoch_value_and_its_last_step(datasets, tmp_path):
-    module, trainer = fit_classifier(datasets, logger=True, default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="fewer than log_every_n_steps=50, so its loggers get only its last step's"):
+        module, trainer = fit_classifier(datasets, logger=True, default_root_dir=str(tmp_path))
     _, rows = read_csv(trainer.log_dir / "metrics.csv")
     epoch_rows = [row for row in rows if row.get("train_loss_epoch")]
     assert [row["epoch"] for row in epoch_rows] == ["0", "1"]
@@ -651,23 +652,24 @@ def test_a_short_fit_writes_every_epoch_value_and_its_last_step(datasets, tmp_pa
     assert float(step_rows[0]["plain"]) == pytest.approx(last_loss, rel=1e-5)
 
 
-class Tested(Classifier):
+class EvaluatedClassifier(Classifier):
     test_step = Classifier.validation_step
 
 
 @pytest.mark.parametrize("stage", ["validate", "test"])
 def test_an_evaluation_of_a_runs_checkpoint_logs_into_that_run(datasets, tmp_path, capsys, stage):
     train, val = datasets
-    options = {**QUIET, "max_epochs": 2, "logger": True, "enable_checkpointing": True, "default_root_dir": "."}
+    options = {**QUIET, "max_epochs": 2, "logger": True, "enable_checkpointing": True, "default_root_dir": ".",
+               "log_every_n_steps": 1}
     fitted = Trainer(**options)
-    fitted.fit(Tested(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
+    fitted.fit(EvaluatedClassifier(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
     run = tmp_path / "default" / "version_0"
     before = {name: (run / name).read_text() for name in ("metrics.csv", "hparams.yaml")}
     checkpoint = next(path for path in (run / "checkpoints").glob("*.ckpt") if not path.name.startswith("last"))
     capsys.readouterr()
     for ckpt_path in (str(checkpoint), "last"):
         evaluator = Trainer(**options)
-        [results] = getattr(evaluator, stage)(Tested(hidden=8, note="other"), DataLoader(val, batch_size=8),
+        [results] = getattr(evaluator, stage)(EvaluatedClassifier(hidden=8, note="other"), DataLoader(val, batch_size=8),
                                               ckpt_path=ckpt_path, verbose=False)
         assert evaluator.log_dir == Path("default/version_0")
         assert capsys.readouterr().err.count(f"trainer: {stage} loads default/version_0/checkpoints/") == 1
@@ -678,5 +680,5 @@ def test_an_evaluation_of_a_runs_checkpoint_logs_into_that_run(datasets, tmp_pat
     assert sorted(path.name for path in tmp_path.glob("default/*")) == ["version_0"]
     # A fresh module, no checkpoint: a run of its own, as before.
     fresh = Trainer(**options)
-    getattr(fresh, stage)(Tested(), DataLoader(val, batch_size=8), verbose=False)
+    getattr(fresh, stage)(EvaluatedClassifier(), DataLoader(val, batch_size=8), verbose=False)
     assert fresh.log_dir == Path("default/version_1") and (fresh.log_dir / "metrics.csv").is_file()
