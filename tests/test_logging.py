@@ -669,8 +669,8 @@ def test_an_evaluation_of_a_runs_checkpoint_logs_into_that_run(datasets, tmp_pat
     capsys.readouterr()
     for ckpt_path in (str(checkpoint), "last"):
         evaluator = Trainer(**options)
-        [results] = getattr(evaluator, stage)(EvaluatedClassifier(hidden=8, note="other"), DataLoader(val, batch_size=8),
-                                              ckpt_path=ckpt_path, verbose=False)
+        module = EvaluatedClassifier(hidden=8, note="other")
+        [results] = getattr(evaluator, stage)(module, DataLoader(val, batch_size=8), ckpt_path=ckpt_path, verbose=False)
         assert evaluator.log_dir == Path("default/version_0")
         assert capsys.readouterr().err.count(f"trainer: {stage} loads default/version_0/checkpoints/") == 1
     # Each evaluation's rows in the stage's file of the run; the run's own files as it wrote them.
