@@ -138,8 +138,9 @@ def run_stage(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.sources)  # every check happens here, before anything is built
     if recipe.trainer.seed is not None:
         seed_everything(recipe.trainer.seed)  # the model's initial weights depend on it too
-    trainer = Trainer(callbacks=[spec.instantiate() for spec in recipe.callbacks], **recipe.trainer_options())
-    trainer.run_config = recipe.to_dict(with_ckpt_path=False)  # config.yaml reruns; ckpt_path=last resumes
+    # The saved config.yaml reruns the recipe; its ckpt_path is left out so that a rerun starts afresh.
+    trainer = Trainer(callbacks=[spec.instantiate() for spec in recipe.callbacks],
+                      run_config=recipe.to_dict(with_ckpt_path=False), **recipe.trainer_options())
     datamodule, module = recipe.data.instantiate(), recipe.model.instantiate()
     ckpt_path = _run_of_recipe(args.sources) if recipe.ckpt_path == "last" else None
     if args.command == "fit":

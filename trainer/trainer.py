@@ -56,7 +56,8 @@ class Trainer(TrainerProperties):
     `callbacks` takes Callback instances and `logger` may also be Logger instances.
     """
 
-    def __init__(self, *, callbacks: list[Callback] | Callback | None = None, **options: Any) -> None:
+    def __init__(self, *, callbacks: list[Callback] | Callback | None = None, run_config: dict[str, Any] | None = None,
+                 **options: Any) -> None:
         self.config: TrainerConfig = apply_fast_dev_run(make_config(options))
         # Validated here, in the calling process, before any worker starts.
         self.strategy: Strategy = build_strategy(self.config.strategy)
@@ -82,8 +83,8 @@ class Trainer(TrainerProperties):
         self._hooks = Hooks(self, self.callbacks, None)
         self._run_folder = RunFolder(self.config.default_root_dir, self.config.name)
         self._callbacks_configured_by: TrainModule | None = None  # the module whose configure_callbacks was applied
-        #: The resolved recipe (set by the `trainer` command); rank 0 saves it as config.yaml in the run folder.
-        self.run_config: dict[str, Any] | None = None
+        #: The resolved recipe the `trainer` command ran; rank 0 saves it as config.yaml in the run folder.
+        self.run_config = run_config
 
     # ------------------------------------------------------------------ construction
     def _attach_module_callbacks(self, module: TrainModule) -> None:
