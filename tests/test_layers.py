@@ -25,6 +25,8 @@ LAYERS: dict[str, int] = {
     f"{T}.batches": 1, f"{C}.base": 1,
     # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class
     f"{T}.loggers": 2,
+    #    and the checks every node of a multi-node job runs before the nodes meet
+    f"{T}.node_checks": 2,
     # 3: the option schema: every Trainer option, its checks, the run's config.yaml
     f"{T}.config": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema
@@ -57,7 +59,7 @@ LAYERS: dict[str, int] = {
     # 18: the package's public names (lazily), recipe class checks, plots of finished runs
     T: 18, f"{T}.signatures": 18, f"{T}.plot": 18,
     # 19-22: the YAML recipes and the command line on top of them
-    f"{T}.recipe": 19, f"{T}.submit": 20, f"{T}.cli": 21, f"{T}.__main__": 22,
+    f"{T}.recipe": 19, f"{T}.submit": 20, f"{T}.hosts": 20, f"{T}.cli": 21, f"{T}.__main__": 22,
 }
 
 STOP_REASON = "the end-of-run line names why the run stopped, which the stopping callbacks keep"
@@ -76,6 +78,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.cli", f"{T}.checkpoint"): CLI_REASON,
     (f"{T}.cli", f"{T}.plot"): "matplotlib, needed only by `trainer plot`",
     (f"{T}.submit", f"{T}.recipe"): CLI_REASON,
+    (f"{T}.hosts", f"{T}.recipe"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launcher"): "torch's elastic agent takes 150 ms to import; only a started job needs it",
 }
 

@@ -2,4 +2,6 @@
 
 from torchyard.trainer.cli import main
 
-raise SystemExit(main())
+# Under the guard: the processes the Trainer starts re-import this module as their __main__.
+if __name__ == "__main__":
+    raise SystemExit(main())

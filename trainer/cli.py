@@ -5,6 +5,7 @@
     trainer config --reference [--readme README.md]         every trainer option (and the README table)
     trainer plot RUN_DIR [RUN_DIR ...] -o curves.png
     trainer submit RECIPE [...] --nodes N [--gpus-per-node G] [--dry-run]   a SLURM batch job (trainer/submit.py)
+    trainer launch --hosts H1,H2 [--nproc-per-node N] RECIPE|SCRIPT.py [...]  one node per host over ssh (hosts.py)
 
 A mistake in the command or the recipe prints one line on stderr and exits with status 2 before any
 process starts (`--verbose` adds the traceback).
@@ -28,6 +29,7 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 
 from torchyard.trainer.config import TrainerConfig, reference_table, update_readme
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
+from torchyard.trainer.hosts import add_arguments as add_launch_arguments
 from torchyard.trainer.submit import add_arguments as add_submit_arguments
 
 STAGES = ("fit", "validate", "test", "predict")
@@ -122,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default: curves.png)")
     plot.set_defaults(handler=plot_runs)
     add_submit_arguments(commands.add_parser("submit", parents=[verbose], help="run a recipe as a SLURM batch job"))
+    add_launch_arguments(commands.add_parser("launch", parents=[verbose],
+                                             help="run a recipe or script on several hosts over ssh, one node each"))
     return parser
 
 

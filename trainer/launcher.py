@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from torchyard.trainer import faults
+from torchyard.trainer import faults, node_checks
 from torchyard.trainer.environment import (
     ClusterEnvironment,
     detect_environment,
@@ -64,10 +64,13 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     strategy = trainer.strategy
     _refuse_unguarded_main(strategy.job_size)
     nproc, num_nodes = strategy.processes_per_node(), strategy.num_nodes
-    # Every worker (and a restarted one) must write to the same run folder: decide it once, here.
-    for logger in trainer.loggers:
-        _ = logger.version
-    _ = trainer.log_dir
+    first_node = num_nodes == 1 or _check_master_before_rendezvous(trainer)
+    if first_node:
+        # Every worker (and a restarted one) must write to the same run folder: decide it once, here. The other
+        # nodes' workers take rank 0's folder (RunFolder.settle) and claim none: on a shared disk it would stay empty.
+        for logger in trainer.loggers:
+            _ = logger.version
+        _ = trainer.log_dir
     payload = _pickle_job(trainer, stage, run_args)
     workdir = Path(tempfile.mkdtemp(prefix="trainer-launch-"))
     config, node_rank = _launch_config(trainer, nproc, num_nodes, workdir)
@@ -321,6 +324,14 @@ def _picklable(obj: Any) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+def _check_master_before_rendezvous(trainer: Trainer) -> bool:
+    """trainer/node_checks.py's check of the master address, before the agents meet; whether this is node 0."""
+    addr, port, node_rank = node_rendezvous()
+    node_checks.check_master(addr, port, serves=node_rank == 0, wait_s=trainer.config.timeout,
+                             who=f"node {node_rank}")
+    return node_rank == 0
 
 
 def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) -> tuple[LaunchConfig, int]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import socket
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from torchyard.trainer import node_checks
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
 
@@ -45,7 +45,7 @@ def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s:
         return
     environment.export()
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = job_store(environment, timeout)
+    store = job_store(environment, timeout, backend)
     # torch keys the default group's rendezvous the same way every time, so a group created after an
     # earlier one was destroyed (fit, then test) would read the old group's addresses and fail to
     # connect; each generation of groups gets its own key prefix, agreed through a counter in the store.
@@ -59,24 +59,22 @@ def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s:
 _STORE: tuple[tuple[str, int, bool], dist.Store] | None = None  # this process's rendezvous store, kept for reuse
 
 
-def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta) -> dist.Store:
+def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta, backend: str = "gloo") -> dist.Store:
     """The job's TCPStore: served by rank 0 (or already by torch's elastic agent); one per process.
 
-    It outlives process groups so that a group built after another was destroyed meets the same store.
+    It outlives process groups so that a group built after another was destroyed meets the same store. On a
+    job of several nodes, the nodes' checks (trainer/node_checks.py) run when it is made, before any group forms.
     """
     global _STORE
     key = (environment.master_addr, environment.master_port, environment.use_agent_store)
     if _STORE is not None and _STORE[0] == key:
         return _STORE[1]
     addr, port = environment.master_addr, environment.master_port
-    try:
-        socket.getaddrinfo(addr, port)
-    except socket.gaierror as err:
-        raise MisconfigurationError(
-            f"the master address {addr!r} (from {environment.name}) cannot be resolved ({err.strerror}); "
-            "set MASTER_ADDR to the host name or IP of the node that runs rank 0."
-        ) from err
+    multi_node = node_checks.is_multi_node(environment)
     serves = environment.global_rank == 0 and not environment.use_agent_store
+    node_checks.resolve_master(addr, port, environment.name)
+    if multi_node and not serves:
+        node_checks.wait_for_master(addr, port, timeout.total_seconds(), f"rank {environment.global_rank}")
     try:
         store = dist.TCPStore(addr, port, environment.world_size, serves, timeout=timeout, wait_for_workers=False)
     except dist.DistNetworkError as err:
@@ -90,6 +88,8 @@ def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta) -> d
             f"{timeout.total_seconds():g} s; check MASTER_ADDR/MASTER_PORT, that rank 0 is running and that "
             "the port is open between the nodes."
         ) from err
+    if multi_node:
+        node_checks.compare_nodes(store, environment, backend, timeout.total_seconds())
     _STORE = (key, store)
     return store
 
