@@ -1,11 +1,13 @@
-"""A real one-node SLURM for the tests that submit jobs: started once per session by slurm.sh, only when a test
-asks for the `slurm` fixture, and stopped at the end if this session started it."""
+"""Real services for the cluster tests, each started once per session only when a test asks for its fixture, and
+stopped at the end if this session started it: a one-node SLURM (slurm.sh, `slurm`) for the tests that submit jobs,
+and an sshd with a test key (sshd.sh, `sshd`) for `trainer launch --hosts`."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,3 +81,23 @@ def slurm_jobs(slurm: Slurm):
     yield jobs
     if jobs:
         subprocess.run(["scancel", *jobs], capture_output=True, check=False)
+
+
+SSHD_SCRIPT = Path(__file__).with_name("sshd.sh")
+
+
+@pytest.fixture(scope="session")
+def sshd() -> Iterator[str]:
+    """sshd.sh start: an sshd on this machine with a key made for the tests, once per session; the path of the ssh
+    client config (`ssh -F`) that logs in to it as localhost and 127.0.0.1. Skips, saying why, where it cannot run."""
+    try:
+        done = subprocess.run(["bash", str(SSHD_SCRIPT), "start"], capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"sshd could not be started: {err}")
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or [f"sshd.sh start exited with {done.returncode}"])[-1]
+        pytest.skip(f"sshd could not be started: {reason}")
+    values = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    yield values["SSH_CONFIG"]
+    if done.stdout.split()[-1] == "started":
+        subprocess.run(["bash", str(SSHD_SCRIPT), "stop"], capture_output=True, timeout=60, check=False)
