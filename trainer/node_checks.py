@@ -269,12 +269,12 @@ def mismatch_summary(rows: list[tuple[str, str, str]]) -> str:
 
 def print_mismatch_table(rows: list[tuple[str, str, str]]) -> None:
     """The table rank 0 prints: node(s), item, value."""
-    table = Table(title="The nodes of this job differ; it stops before training", title_justify="left")
-    for column in ("node", "item", "value"):
-        table.add_column(column)
+    table = Table("node", "item", "value")
     for row in rows:
         table.add_row(*row)
-    Console(stderr=True, width=max(100, Console(stderr=True).width)).print(table)
+    console = Console(stderr=True, width=max(100, Console(stderr=True).width))
+    console.print("The nodes of this job differ; it stops before training:", highlight=False)
+    console.print(table)
 
 
 def print_interfaces(reports: list[dict[str, Any]], backend: str) -> None:
