@@ -51,6 +51,8 @@ STOP_GRACE_S = 60.0
 KILL_GRACE_S = 10.0
 #: Variables of this process passed on to every node (ssh passes on none by itself).
 FORWARDED_PREFIXES = ("TORCHYARD_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+#: Lines of a failed node's output shown here (after torchrun's report of the failure, the worker's own error).
+FAILURE_TAIL_LINES = 80
 SIGNAL_WORDS = {signal.SIGINT: "INT", signal.SIGTERM: "TERM", signal.SIGHUP: "TERM"}
 #: A probe run on every host before the launch: it imports the framework and asks for a free port (node 0's).
 PROBE = "import socket, torchyard.trainer; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
@@ -359,7 +361,7 @@ def _report_failure(node: Node) -> None:
     print(f"trainer launch: node {node.rank} ({node.host}) exited with status {node.process.returncode}; the other "
           f"nodes were stopped{where}", file=sys.stderr)
     if node.log is not None and node.log.is_file():
-        print("\n".join(node.log.read_text(errors="replace").splitlines()[-30:]), file=sys.stderr)
+        print("\n".join(node.log.read_text(errors="replace").splitlines()[-FAILURE_TAIL_LINES:]), file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- the guard, on each host

@@ -80,9 +80,16 @@ start() {
     stop_daemon
     write_keys_and_configs
     mkdir -p /run/sshd  # sshd's privilege separation directory
+    # Another sshd on the port would answer the logins with another host key.
+    if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
+        fail "port $PORT is taken by another process; set TRAINER_SSHD_PORT to a free one"
+    fi
+    : >"$STATE/sshd.log"
     "$SSHD" -f "$STATE/sshd_config" -E "$STATE/sshd.log" 9>&- || fail "sshd did not start: $(tail -1 "$STATE/sshd.log")"
     for _ in $(seq 100); do
         login_works && { echo "SSH_CONFIG=$STATE/ssh_config"; echo started; return 0; }
+        # It forks into the background before it binds its port: a failure shows in its log only.
+        grep -q "Cannot bind" "$STATE/sshd.log" && fail "sshd did not start: $(tail -2 "$STATE/sshd.log" | head -1)"
         sleep 0.1
     done
     fail "sshd started but a key-based login to localhost fails: $(ssh -F "$STATE/ssh_config" -o BatchMode=yes localhost true 2>&1 | tail -1)"

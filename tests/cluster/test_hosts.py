@@ -114,3 +114,26 @@ def test_an_unresolvable_master_stops_every_node_with_the_one_line_cause(sshd, t
     assert "fix DNS or /etc/hosts on" in errors[0]
     assert "never runs" not in said
     assert_none_left(mark)
+
+
+# Under torchrun on each node: node 1 fails once both nodes run, node 0 would go on for ten minutes.
+FAILING_SCRIPT = """
+import os, sys, time
+if os.environ["GROUP_RANK"] == "1":
+    time.sleep(1)
+    sys.exit("node 1 gives up")
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_node_stops_the_others_and_leaves_no_process(sshd, tmp_path):
+    mark = uuid.uuid4().hex
+    script = tmp_path / "train.py"
+    script.write_text(FAILING_SCRIPT)
+    launch = start([TRAINER, "launch", *TWO_HOSTS, "--ssh-config", sshd, str(script)], tmp_path, mark)
+    said = finish(launch, 150)
+    assert launch.returncode == 1, said[-3000:]
+    assert "trainer launch: node 1 (127.0.0.1) exited with status 1; the other nodes were stopped" in said
+    assert "node 1 gives up" in said  # from the end of node 1's output, shown here
+    assert_none_left(mark)
