@@ -1,5 +1,5 @@
 """`trainer launch` (trainer/hosts.py): its input checks, what each host runs, and the guard around a node.
-The launches over a real sshd are in tests/cluster/test_hosts.py."""
+The launches over a real sshd are in tests/cluster/test_hosts_over_ssh.py."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def one_line_error(capsys, argv: list[str]) -> str:
     ([], "give the hosts with --hosts h1,h2 or --hostfile FILE"),
     (["--hosts", "a", "--hostfile", "hostfile"], "give the hosts with --hosts h1,h2 or --hostfile FILE"),
     (["--hostfile", "nope"], "hostfile 'nope' does not exist."),
+    (["--hosts", "a,b", "--master-port", "0"], "--master-port 0: give a port number from 1 to 65535."),
 ])
 def test_bad_host_lists_are_one_line_errors(capsys, script, options, said):
     assert said in one_line_error(capsys, ["launch", *options, str(script)])

@@ -77,14 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def launch_command(args: argparse.Namespace) -> int:
     """Check the input and every host, start one node per host, wait for them; the job's exit status."""
+    for flag, port in (("--master-port", args.master_port), ("--ssh-port", args.ssh_port)):
+        if port is not None and not 1 <= port <= 65535:
+            raise MisconfigurationError(f"{flag} {port}: give a port number from 1 to 65535.")
     hosts, slots = read_hosts(args.hosts, args.hostfile)
     nproc = processes_per_node(args.nproc_per_node, slots)
     node_argv = node_command(args.sources, len(hosts), nproc)
     ssh = ssh_base(args.ssh_config, args.ssh_port)
     free_port = probe_hosts(hosts, ssh)
     master_addr, master_port = args.master_addr or hosts[0], args.master_port or free_port
-    if master_port < 1:
-        raise MisconfigurationError(f"--master-port {master_port}: give a port number from 1 to 65535.")
     commands = []
     for rank, host in enumerate(hosts):
         argv = node_argv(rank, master_addr, master_port)
@@ -392,7 +393,8 @@ class _Guard:
 
     def run(self, command: list[str]) -> int:
         with self.lock:
-            self.node = subprocess.Popen(command, start_new_session=True)
+            # Its own input is empty: the launcher's lines on ours are for this guard.
+            self.node = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
         for sig in SIGNAL_WORDS:
             signal.signal(sig, lambda signum, _frame: self.signal_node(signal.Signals(signum)))
         code = self.node.wait()
