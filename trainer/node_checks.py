@@ -49,7 +49,8 @@ UNREACHABLE_TIMEOUT_S = 30.0
 INTERFACE_VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 #: Script and recipe files among the command's arguments, whose contents every node must share.
 RUN_FILE_SUFFIXES = (".py", ".yaml", ".yml", ".json")
-_FRAMEWORK_ROOT = Path(__file__).resolve().parents[1]  # holds trainer/ and callbacks/
+#: The framework's packages (torchyard.trainer and its sibling torchyard.callbacks), whose files every node shares.
+FRAMEWORK_FOLDERS = (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "callbacks")
 
 
 # --------------------------------------------------------------------------- the master address and port
@@ -142,9 +143,9 @@ def _installed_version(distribution: str) -> str:
 def _framework_digest() -> str:
     """A digest of the framework's own files: nodes on one version number may still run different code."""
     digest = hashlib.sha256()
-    for path in sorted(_FRAMEWORK_ROOT.glob("*/**/*.py")):
-        if path.relative_to(_FRAMEWORK_ROOT).parts[0] in ("trainer", "callbacks"):
-            digest.update(str(path.relative_to(_FRAMEWORK_ROOT)).encode() + b"\0" + path.read_bytes())
+    for folder in FRAMEWORK_FOLDERS:
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(str(path.relative_to(folder.parent)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
 

@@ -159,7 +159,7 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         self._pin_device(environment)
         self._ambient_exception = sys.exc_info()[1]
         timeout = datetime.timedelta(seconds=self.timeout)
-        store = distributed.job_store(environment, timeout)
+        store = distributed.job_store(environment, timeout, self.backend)
         attempt = f"trainer/attempt_{environment.restart_count}/ps"
         session = f"{attempt}/session_{(store.add(f'{attempt}/joined', 1) - 1) // environment.world_size}"
         if self.is_server:
