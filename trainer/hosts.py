@@ -286,7 +286,7 @@ def run_nodes(commands: list[tuple[str, list[str]]]) -> int:
                                        if output else None, bufsize=0, start_new_session=True)
             if output is not None:
                 output.close()
-            nodes.append(Node(rank, commands[rank][0], process, log))
+            nodes.append(Node(rank, host, process, log))
         with _forwarded_signals(nodes) as received:
             failed = _watch(nodes, received)
     finally:
@@ -307,6 +307,9 @@ def _forwarded_signals(nodes: list[Node]) -> Iterator[list[signal.Signals]]:
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signal.Signals(signum))
+        what = "every node was told to stop; another one stops them at once" if len(received) == 1 else "stopping now"
+        # os.write, not print: the handler may run while the main thread is inside a print.
+        os.write(2, f"\ntrainer launch: {received[-1].name}: {what}\n".encode())
         for node in nodes:
             if len(received) == 1:
                 node.tell(SIGNAL_WORDS[signal.Signals(signum)])

@@ -95,6 +95,7 @@ def test_ctrl_c_stops_every_node_and_leaves_no_process(sshd, tmp_path):
     finally:
         said = finish(launch, 120)
     assert launch.returncode == 130, said[-3000:]
+    assert "trainer launch: SIGINT: every node was told to stop" in said
     assert (checkpoints / "last.ckpt").is_file()  # the nodes stopped as a Ctrl-C stops a run: saved first
     assert_none_left(mark)
 
