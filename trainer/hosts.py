@@ -376,6 +376,10 @@ def node_main(argv: list[str] | None = None) -> int:
     lines on stdin (INT, TERM; end of input: stop), and leave no process of that group behind."""
     command = list(sys.argv[1:] if argv is None else argv)
     command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        print("usage: python -m torchyard.trainer.hosts -- COMMAND [ARGS ...] (what `trainer launch` runs on each "
+              "host, with MASTER_ADDR, MASTER_PORT and NODE_RANK set)", file=sys.stderr)
+        return 2
     guard = _Guard()
     threading.Thread(target=guard.obey_launcher, name="launcher", daemon=True).start()
     try:
