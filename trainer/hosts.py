@@ -60,6 +60,9 @@ PROBE = "import socket, torchyard.trainer; s = socket.socket(); s.bind(('', 0));
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `trainer launch`."""
+    parser.description = ("Start one node of a multi-node job on each host over ssh (docs/cluster.md). The options "
+                          "come before the recipe or script: what follows it is the recipe's overrides or the "
+                          "script's arguments.")
     parser.add_argument("--hosts", help="comma-separated hosts, one node each; the first runs node 0")
     parser.add_argument("--hostfile", help="a file of `HOST slots=N` lines (DeepSpeed's and MPI's format)")
     parser.add_argument("--nproc-per-node", type=int,
