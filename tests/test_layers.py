@@ -75,6 +75,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.cli", f"{T}.resume"): CLI_REASON,
     (f"{T}.cli", f"{T}.batches"): CLI_REASON,
     (f"{T}.cli", f"{T}.checkpoint"): CLI_REASON,
+    (f"{T}.cli", f"{T}.strategies.fsdp_checkpoint"): CLI_REASON,
     (f"{T}.cli", f"{T}.plot"): "matplotlib, needed only by `trainer plot`",
     (f"{T}.submit", f"{T}.recipe"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launcher"): "torch's elastic agent takes 150 ms to import; only a started job needs it",

@@ -68,7 +68,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint
     path = Path(ckpt_path)
     if path.is_dir() and not (path / SHARDED_STATE_FILE).is_file():  # a sharded folder is one checkpoint
         raise MisconfigurationError(f"ckpt_path {str(path)!r} is a folder; give a checkpoint file in it, or 'last'.")
-    if not path.is_file():
+    if not path.exists():
         raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
     return path
 

@@ -122,7 +122,15 @@ class FSDPStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
-        self.model = self.module  # FSDP's root goes before the group, as ddp's wrapper does
+        """Leave the module's parameters sharded (the root keeps its gathered weights after an evaluation forward),
+        release FSDP's root, then the group."""
+        if self.module is not None:
+            for layer in self.module.modules():
+                if isinstance(layer, FSDPModule):
+                    layer.reshard()
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
+        self.model = self.module
         super().teardown()
 
     # ------------------------------------------------------------------ the model
@@ -159,7 +167,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             super().setup_module(module)
             self.model = self._sharded[1]  # a later stage in the same job: the module is sharded already
             return
-        if any(isinstance(p, DTensor) for p in module.parameters()):
+        if any(isinstance(p, DTensor) and p.device_mesh is not self.device_mesh for p in module.parameters()):
             raise MisconfigurationError(
                 f"{type(module).__name__} was sharded by an earlier fsdp run whose processes have ended; build a new "
                 "one and load the weights (load_from_checkpoint or ckpt_path=...).")
@@ -169,7 +177,8 @@ class FSDPStrategy(ProcessGroupStrategy):
         super().setup_module(module)
         if self.world_size > 1:  # every rank starts from rank 0's weights, as under ddp
             for tensor in [*module.parameters(), *module.buffers()]:
-                torch.distributed.broadcast(tensor.data, src=0)
+                if not isinstance(tensor, DTensor):  # configure_model's units are already sharded
+                    torch.distributed.broadcast(tensor.data, src=0)
         for layer in module.modules():
             if type(layer).__name__ in (self.activation_checkpointing or ()):
                 recompute_in_backward(layer)
