@@ -127,7 +127,7 @@ def test_a_sharded_checkpoint_resumes_on_one_rank_and_as_a_converted_file_under_
         module = Net()
         trainer = one_rank(tmp_path / name, strategy, max_epochs=3, logger=False, enable_checkpointing=False)
         trainer.fit(module, *loaders(), ckpt_path=ckpt)
-        assert trainer.global_step == 10 + 10  # 5 steps per epoch on 2 ranks, 10 on one
+        assert trainer.global_step == 5 + 2 * 10  # epoch 0: 5 steps on 2 ranks; then 10 an epoch on one
         resumed[name] = fsdp_cases.gathered(module)
     assert_same_weights(resumed["fsdp"], resumed["ddp"], atol=1e-6)
 
