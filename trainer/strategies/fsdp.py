@@ -124,14 +124,16 @@ class FSDPStrategy(ProcessGroupStrategy):
     def teardown(self) -> None:
         """Leave the module's parameters sharded (the root keeps its gathered weights after an evaluation forward),
         release FSDP's root, then the group."""
-        if self.module is not None:
-            for layer in self.module.modules():
-                if isinstance(layer, FSDPModule):
-                    layer.reshard()
-        if isinstance(self.model, FSDPModule):
-            self.model.reshard()
+        self._reshard()
         self.model = self.module
         super().teardown()
+
+    def _reshard(self) -> None:
+        """Every unit back to its shard: FSDP's root keeps the weights it gathered for a forward that no backward
+        followed (an evaluation's), which state dicts must not see."""
+        for layer in [*(self.module.modules() if self.module is not None else ()), self.model]:
+            if isinstance(layer, FSDPModule):
+                layer.reshard()
 
     # ------------------------------------------------------------------ the model
     @override
@@ -218,21 +220,30 @@ class FSDPStrategy(ProcessGroupStrategy):
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on every rank, on the host (a collective): what each node's launching script adopts."""
         assert self.module is not None
-        return {key: value.cpu() for key, value in full_model_state(self.module, every_rank=True).items()}
+        with self._state_dict_context():
+            return {key: value.cpu() for key, value in full_model_state(self.module, every_rank=True).items()}
 
     @override
     def checkpoint_model_state(self) -> dict[str, torch.Tensor]:
         assert self.module is not None
-        if self.checkpoint == "sharded":
-            return get_model_state_dict(self.module)  # this rank's shards, as DTensors
-        return full_model_state(self.module)
+        with self._state_dict_context():
+            if self.checkpoint == "sharded":
+                return get_model_state_dict(self.module)  # this rank's shards, as DTensors
+            return full_model_state(self.module)
 
     @override
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         assert self.module is not None
-        if self.checkpoint == "sharded":
-            return get_optimizer_state_dict(self.module, optimizer)
-        return full_optimizer_state(self.module, optimizer)
+        with self._state_dict_context():
+            if self.checkpoint == "sharded":
+                return get_optimizer_state_dict(self.module, optimizer)
+            return full_optimizer_state(self.module, optimizer)
+
+    def _state_dict_context(self) -> contextlib.AbstractContextManager:
+        """Sharded weights, outside inference_mode (a save from a validation's hooks runs inside it, where FSDP's
+        state-dict hooks cannot run)."""
+        self._reshard()
+        return torch.inference_mode(False)
 
     @override
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
