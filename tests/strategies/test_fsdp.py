@@ -8,6 +8,7 @@ process on one rank (a world of one process shards nothing, but runs every code 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -147,6 +148,21 @@ def test_a_sharded_folder_missing_a_ranks_file_is_a_one_line_error(job, tmp_path
     with pytest.raises(CheckpointError, match="is a sharded folder: load it with strategy='fsdp'"):
         one_rank(tmp_path, "single", logger=False).validate(Net(), DataLoader(VAL, batch_size=BATCH),
                                                             ckpt_path=checkpoint_folder(out, "fsdp_sgd") / "last.ckpt")
+    # DCP unpickles .metadata fully: a folder whose pickle would run code is refused before DCP reads it.
+    evil = tmp_path / "evil.ckpt"
+    shutil.copytree(checkpoint_folder(out, "fsdp_sgd") / "last.ckpt", evil)
+    (evil / ".metadata").write_bytes(pickle.dumps(RunsCode(str(tmp_path / "ran"))))
+    with pytest.raises(CheckpointError, match="its .metadata is corrupt or holds objects other than DCP's"):
+        one_rank(tmp_path, "fsdp", logger=False).validate(fresh(), DataLoader(VAL, batch_size=BATCH), ckpt_path=evil)
+    assert not (tmp_path / "ran").exists()
+
+
+class RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
 
 
 # --------------------------------------------------------------------------- one rank, in this process

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from torchyard.trainer.strategies.fsdp_checkpoint import (
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
 
 CHECKPOINT_KINDS = ("full", "sharded")
+#: Modules whose parameters are DTensors on the mesh of a run that has ended: no later run can use them.
+_SHARDED_BY_ENDED_RUNS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 BACKENDS = ("gloo", "nccl")
 # Weights gathered and computed in bf16, gradients reduced in fp32 (the sharded fp32 weights are what steps).
@@ -125,6 +128,8 @@ class FSDPStrategy(ProcessGroupStrategy):
         """Leave the module's parameters sharded (the root keeps its gathered weights after an evaluation forward),
         release FSDP's root, then the group."""
         self._reshard()
+        if self._sharded is not None and not self.keeps_process_group:
+            _SHARDED_BY_ENDED_RUNS.add(self._sharded[0])  # its parameters live on this run's mesh, which ends here
         self.model = self.module
         super().teardown()
 
@@ -169,7 +174,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             super().setup_module(module)
             self.model = self._sharded[1]  # a later stage in the same job: the module is sharded already
             return
-        if any(isinstance(p, DTensor) and p.device_mesh is not self.device_mesh for p in module.parameters()):
+        if module in _SHARDED_BY_ENDED_RUNS:
             raise MisconfigurationError(
                 f"{type(module).__name__} was sharded by an earlier fsdp run whose processes have ended; build a new "
                 "one and load the weights (load_from_checkpoint or ckpt_path=...).")

@@ -10,7 +10,9 @@ holds them keyed by index, as torch's `optimizer.state_dict()` does, so that eve
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -167,16 +170,59 @@ def _dcp_load(state: dict[str, Any], folder: Path) -> None:
 
 
 def check_complete(folder: Path) -> None:
-    """A clear error for a folder missing DCP's metadata or a rank's file (every rank must have written)."""
+    """A clear error for a folder missing DCP's metadata or a rank's file (every rank must have written), or holding
+    values that only full unpickling could build. DCP itself unpickles `.metadata` and non-tensor values fully (and
+    tensors with weights_only); every load goes through this check first, so nothing in the folder runs code."""
     if not (folder / ".metadata").is_file() or not (folder / SHARDED_STATE_FILE).is_file():
         raise CheckpointError(f"{str(folder)!r} is not a whole sharded checkpoint: it lacks .metadata or "
                               f"{SHARDED_STATE_FILE}; give a folder that fsdp's checkpoint='sharded' wrote.")
-    metadata = dcp.FileSystemReader(folder).read_metadata()
+    metadata = _read_metadata(folder)
     stored = {info.relative_path for info in (metadata.storage_data or {}).values()}
     missing = sorted(name for name in stored if not (folder / name).is_file())
     if missing:
         raise CheckpointError(f"sharded checkpoint {str(folder)!r} is missing {', '.join(missing)} (a rank's shard: "
                               "copy the whole folder from where every rank wrote it).")
+    for index, info in (metadata.storage_data or {}).items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            with open(folder / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                value = f.read(info.length)
+            try:
+                torch.load(io.BytesIO(value), weights_only=True)
+            except Exception as err:  # noqa: BLE001 - whatever the weights-only unpickler refuses
+                raise CheckpointError(f"sharded checkpoint {str(folder)!r}: {index.fqn} holds objects that only full "
+                                      "unpickling could build, which could run code, so it was refused.") from err
+
+
+# What DCP's .metadata pickle is made of (torch 2.13): its dataclasses, tensor sizes, dtypes and layouts, paths.
+_METADATA_CLASSES = {
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module, name) in _METADATA_CLASSES
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def _read_metadata(folder: Path) -> Metadata:
+    try:
+        with open(folder / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+        raise CheckpointError(f"sharded checkpoint {str(folder)!r}: its .metadata is corrupt or holds objects other "
+                              f"than DCP's ({err}); it was not loaded.") from err
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"sharded checkpoint {str(folder)!r}: its .metadata is not DCP's.")
+    return metadata
 
 
 def convert_to_file(folder: Path, out: Path) -> Path:
