@@ -218,6 +218,45 @@ def test_sharded_folders_resume_with_last_keep_the_top_k_and_match_an_uninterrup
     assert all((Path(best.dirpath) / name / "trainer_state.pt").is_file() for name in folders)
 
 
+class CrashSavingAt(ModelCheckpoint):
+    """Dies half-way through writing the sharded folder of step `step`: one shard on disk, no metadata."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(save_top_k=0, save_last=True, every_n_train_steps=5)
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            from torch.distributed import checkpoint as dcp
+
+            def dying_save(state_dict, storage_writer):
+                (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half a shard")
+                raise KeyboardInterrupt("killed while saving")
+
+            dcp.save = dying_save
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+
+
+def test_a_crash_while_a_sharded_folder_is_written_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    from torch.distributed import checkpoint as dcp
+
+    monkeypatch.setattr(dcp, "save", dcp.save)  # restored after the test: the callback replaces it
+    sharded = {"name": "fsdp", "checkpoint": "sharded"}
+    trainer = one_rank(tmp_path, sharded, max_epochs=1, callbacks=[CrashSavingAt(10)], enable_checkpointing=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(fresh(), *loaders())
+    folder = Path(trainer.checkpoint_callback.dirpath)
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "last.ckpt.tmp"]
+    monkeypatch.undo()
+    # last.ckpt is step 5's, whole: a resume from it lands on the uninterrupted run's weights.
+    resumed, uninterrupted = fresh(), fresh()
+    one_rank(tmp_path / "resumed", sharded, max_epochs=1, logger=False, enable_checkpointing=False).fit(
+        resumed, *loaders(), ckpt_path=folder / "last.ckpt")
+    one_rank(tmp_path / "whole", sharded, max_epochs=1, logger=False, enable_checkpointing=False).fit(
+        uninterrupted, *loaders())
+    assert_same_weights(fsdp_cases.gathered(resumed), fsdp_cases.gathered(uninterrupted), atol=0)
+
+
 def test_options_are_checked_before_any_process_starts():
     strategy = build_strategy({"name": "fsdp", "shard_units": ["Block"], "checkpoint": "sharded"})
     assert isinstance(strategy, FSDPStrategy) and strategy.shard_units == ["Block"]
