@@ -114,8 +114,8 @@ class FSDPStrategy(ProcessGroupStrategy):
                                             "weights already live on the host and torch's SyncBatchNorm needs a GPU).")
         visible = torch.cuda.device_count()
         if self.accelerator == "cuda" and devices > visible and not self.detect_environment().launched:
-            raise MisconfigurationError(f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA "
-                                        f"device(s); use devices={torch.cuda.device_count()} or fewer (per node).")
+            raise MisconfigurationError(f"devices={devices} but this machine has {visible} CUDA device(s); use "
+                                        f"devices={visible} or fewer (devices counts per node).")
 
     @override
     def setup_environment(self, environment: ClusterEnvironment) -> None:
@@ -170,14 +170,14 @@ class FSDPStrategy(ProcessGroupStrategy):
     def setup_module(self, module: TrainModule) -> None:
         """Shard the module in place: its units, then the root (a StepDispatcher, so FSDP's gathers run around
         the user's steps, as DDP's hooks do)."""
-        if self._sharded is not None and self._sharded[0] is module and distributed_alive(self._sharded[1]):
-            super().setup_module(module)
-            self.model = self._sharded[1]  # a later stage in the same job: the module is sharded already
-            return
         if module in _SHARDED_BY_ENDED_RUNS:
             raise MisconfigurationError(
-                f"{type(module).__name__} was sharded by an earlier fsdp run whose processes have ended; build a new "
-                "one and load the weights (load_from_checkpoint or ckpt_path=...).")
+                f"{type(module).__name__} was sharded by an earlier fsdp run whose process group has ended; build a "
+                "new one and load the weights (load_from_checkpoint or ckpt_path=...).")
+        if self._sharded is not None and self._sharded[0] is module and distributed_alive(self._sharded[1]):
+            super().setup_module(module)
+            self.model = self._sharded[1]  # a later stage in the same job (torchrun): the module is sharded already
+            return
         self._check_layers(module)
         if self.sync_batchnorm:
             module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
