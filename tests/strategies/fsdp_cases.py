@@ -119,8 +119,8 @@ CASES: dict[str, tuple[Any, tuple, dict, tuple | None, bool]] = {
     "fsdp_manual": (fsdp(shard_units=UNITS, activation_checkpointing=UNITS), (ManualNet,), {}, None, False),
     "fsdp_sharded_resumed": (fsdp(shard_units=UNITS, checkpoint="sharded"), (Net,), {},
                              ("fsdp_sgd", "epoch=0.ckpt"), False),
-    # ddp's full file resumed under fsdp: lands on ddp_sgd's weights.
-    "fsdp_from_ddp": (fsdp(shard_units=UNITS), (Net,), {}, ("ddp_sgd", "epoch=0.ckpt"), False),
+    # ddp's full file resumed under fsdp: lands on ddp_sgd's weights; saves full files (gathered on rank 0).
+    "fsdp_from_ddp": (fsdp(shard_units=UNITS), (Net,), {}, ("ddp_sgd", "epoch=0.ckpt"), True),
 }
 
 

@@ -96,6 +96,26 @@ def test_fsdp_lands_on_ddps_weights_and_metrics(job, fsdp, ddp):
 
 
 @pytest.mark.timeout(200)
+def test_a_full_file_gathered_from_2_ranks_holds_the_whole_model_and_optimizer_and_resumes_under_ddp(job, tmp_path):
+    out, results = job
+    fsdp_file, ddp_file = (checkpoint_folder(out, case) / "epoch=1.ckpt" for case in ("fsdp_from_ddp", "ddp_sgd"))
+    gathered, reference = (torch.load(path, weights_only=True) for path in (fsdp_file, ddp_file))
+    assert_same_weights(gathered["state_dict"], results["fsdp_from_ddp"]["weights"], atol=0)
+    assert gathered["optimizer_states"][0]["param_groups"] == reference["optimizer_states"][0]["param_groups"]
+    for index, state in reference["optimizer_states"][0]["state"].items():  # momentum, in torch's own layout
+        torch.testing.assert_close(gathered["optimizer_states"][0]["state"][index]["momentum_buffer"],
+                                   state["momentum_buffer"], rtol=0, atol=1e-6)
+    # Its epoch-0 file resumed under ddp on one process trains on like ddp's own epoch-0 file.
+    resumed = {}
+    for name, source in (("from_fsdp", "fsdp_from_ddp"), ("from_ddp", "ddp_sgd")):
+        module = Net()
+        one_rank(tmp_path / name, "ddp", max_epochs=3, logger=False, enable_checkpointing=False).fit(
+            module, *loaders(), ckpt_path=checkpoint_folder(out, source) / "epoch=1.ckpt")
+        resumed[name] = module.state_dict()
+    assert_same_weights(resumed["from_fsdp"], resumed["from_ddp"], atol=1e-6)
+
+
+@pytest.mark.timeout(200)
 def test_a_sharded_checkpoint_resumes_on_the_same_ranks_bitwise(job):
     out, results = job
     assert_same_weights(results["fsdp_sharded_resumed"]["weights"], results["fsdp_sgd"]["weights"], atol=0)
