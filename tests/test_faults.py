@@ -116,6 +116,14 @@ def ddp_run(tmp_path_factory):
     return module.state_dict(), metrics_rows(root)
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """The uninterrupted 2-process fsdp run (sharded checkpoints), started from this process."""
+    root = tmp_path_factory.mktemp("fsdp_reference")
+    module = fit(root, "fsdp")
+    return module.state_dict(), metrics_rows(root)
+
+
 # --------------------------------------------------------------------------- one process
 
 
@@ -360,12 +368,15 @@ def test_ranks_exchange_sigterm_flags_every_few_steps_and_act_on_them_together(m
 
 
 @pytest.mark.timeout(240)
-def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_weights(ddp_run, tmp_path, capfd):
-    module = fit(tmp_path, "ddp", [KillAt(5, rank=1)], max_restarts=1)  # rank 1 dies mid-epoch 0
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_weights(strategy, tmp_path, capfd,
+                                                                                        request):
+    uninterrupted = request.getfixturevalue(f"{strategy}_run")
+    module = fit(tmp_path, strategy, [KillAt(5, rank=1)], max_restarts=1)  # rank 1 dies mid-epoch 0
     assert "restart 1: resuming from" in capfd.readouterr().err
     assert starts(tmp_path) == ["0 0", "1 3"]  # the restarted group began at the last checkpoint, not at 0
-    assert_same_weights(module.state_dict(), ddp_run[0])
-    assert metrics_rows(tmp_path) == ddp_run[1]
+    assert_same_weights(module.state_dict(), uninterrupted[0])
+    assert metrics_rows(tmp_path) == uninterrupted[1]
 
 
 @pytest.mark.timeout(240)

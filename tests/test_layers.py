@@ -41,7 +41,8 @@ LAYERS: dict[str, int] = {
     f"{T}.strategies.distributed": 8, f"{T}.strategies.pipeline_split": 8, f"{T}.strategies.base": 8,
     f"{T}.strategies": 9, f"{T}.strategies.process_group": 9, f"{T}.strategies.single": 9,
     f"{T}.strategies.dp": 9, f"{T}.strategies.ps_server": 9,
-    f"{T}.strategies.ddp": 10, f"{T}.strategies.ps_client": 10,
+    f"{T}.strategies.fsdp_checkpoint": 9,
+    f"{T}.strategies.ddp": 10, f"{T}.strategies.ps_client": 10, f"{T}.strategies.fsdp": 10,
     f"{T}.strategies.ps": 11, f"{T}.strategies.pipeline": 11,
     # 12: the pieces of a run: loop counters, one step, checkpoint state, hook dispatch, resuming
     f"{T}.loop_state": 12, f"{T}.step": 12, f"{T}.state": 12, f"{T}.hooks": 12, f"{T}.resume": 12,
@@ -76,6 +77,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.cli", f"{T}.resume"): CLI_REASON,
     (f"{T}.cli", f"{T}.batches"): CLI_REASON,
     (f"{T}.cli", f"{T}.checkpoint"): CLI_REASON,
+    (f"{T}.cli", f"{T}.strategies.fsdp_checkpoint"): CLI_REASON,
     (f"{T}.cli", f"{T}.plot"): "matplotlib, needed only by `trainer plot`",
     (f"{T}.submit", f"{T}.recipe"): CLI_REASON,
     (f"{T}.hosts", f"{T}.recipe"): CLI_REASON,

@@ -20,6 +20,8 @@ import torch
 from torchyard.trainer.errors import CheckpointError
 
 CHECKPOINT_VERSION = 1
+#: In a sharded checkpoint folder (strategy fsdp, checkpoint='sharded'): everything but the tensors, in this format.
+SHARDED_STATE_FILE = "trainer_state.pt"
 
 
 def save_checkpoint_file(checkpoint: Any, path: str | Path) -> Path:
@@ -76,6 +78,9 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
     `mmap`: tensors stay in the file until used (reading a checkpoint's counters costs no tensor reads)."""
     path = Path(path)
     if path.is_dir():
+        if (path / SHARDED_STATE_FILE).is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is a sharded folder: load it with strategy='fsdp', or "
+                                  f"make it one file: trainer checkpoint convert {path} FILE.ckpt")
         raise CheckpointError(f"checkpoint {str(path)!r} is a folder; give a checkpoint file in it.")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
@@ -110,7 +115,7 @@ def saved_position(path: Path, resumable: bool = True) -> tuple[int, int, int] |
     """How far the run had trained when `path` was saved (global step, epochs done, batches into the next),
     read without reading its tensors; None for a checkpoint that holds no position, or (`resumable`) that no
     fit can resume from (weights-only). A file that does not load raises CheckpointError, saying why."""
-    checkpoint = load_checkpoint_file(path, mmap=True)
+    checkpoint = load_checkpoint_file(path / SHARDED_STATE_FILE if path.is_dir() else path, mmap=True)
     progress = checkpoint.get("loops", {}).get("progress") if isinstance(checkpoint.get("loops"), dict) else None
     try:
         if progress is None and not resumable:  # a weights-only file: Lightning's top-level counters

@@ -6,6 +6,7 @@
     trainer plot RUN_DIR [RUN_DIR ...] -o curves.png
     trainer submit RECIPE [...] --nodes N [--gpus-per-node G] [--dry-run]   a SLURM batch job (trainer/submit.py)
     trainer launch --hosts H1,H2 [--nproc-per-node N] RECIPE|SCRIPT.py [...]  one node per host over ssh (hosts.py)
+    trainer checkpoint convert FOLDER FILE                   a sharded (fsdp) checkpoint as one full file
 
 A mistake in the command or the recipe prints one line on stderr and exits with status 2 before any
 process starts (`--verbose` adds the traceback).
@@ -123,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="version folders holding metrics.csv")
     plot.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default: curves.png)")
     plot.set_defaults(handler=plot_runs)
+    checkpoint = commands.add_parser("checkpoint", parents=[verbose], help="convert checkpoints")
+    checkpoint.add_argument("action", choices=["convert"], help="convert: a sharded folder to one full file")
+    checkpoint.add_argument("folder", help="a sharded checkpoint folder (strategy fsdp, checkpoint: sharded)")
+    checkpoint.add_argument("file", help="the full checkpoint file to write")
+    checkpoint.set_defaults(handler=convert_checkpoint)
     add_submit_arguments(commands.add_parser("submit", parents=[verbose], help="run a recipe as a SLURM batch job"))
     add_launch_arguments(commands.add_parser("launch", parents=[verbose],
                                              help="run a recipe or script on several hosts over ssh, one node each"))
@@ -187,6 +193,19 @@ def plot_runs(args: argparse.Namespace) -> int:
 
     path = draw(args.run_dirs, args.output)
     print(f"wrote {path}")
+    return 0
+
+
+def convert_checkpoint(args: argparse.Namespace) -> int:
+    """A sharded checkpoint folder as one full file, which every strategy and load_from_checkpoint read."""
+    from torchyard.trainer.strategies.fsdp_checkpoint import convert_to_file  # imports torch: see run_stage
+
+    folder, out = Path(args.folder), Path(args.file)
+    if not folder.is_dir():
+        raise MisconfigurationError(f"{str(folder)!r} is not a folder; give a sharded checkpoint folder.")
+    if out.exists() and out.is_dir():
+        raise MisconfigurationError(f"{str(out)!r} is a folder; give the path of the file to write.")
+    print(f"wrote {convert_to_file(folder, out)}")
     return 0
 
 

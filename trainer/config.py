@@ -107,7 +107,7 @@ class TrainerConfig:
     enable_model_summary: bool = _opt(True, "Print a model summary table at fit start and a run summary at its end.")
     fast_dev_run: Any = _opt(False, "Run 1 (or n) batch of train, val and test, without loggers or checkpoints.")
     accelerator: str = _opt("auto", "'cpu', 'cuda' or 'auto'.")
-    strategy: Any = _opt("auto", "'single', 'dp', 'ddp', 'pipeline', 'ps', or {name: ..., options...}.")
+    strategy: Any = _opt("auto", "'single', 'dp', 'ddp', 'fsdp', 'pipeline', 'ps', or {name: ..., options...}.")
     devices: Any = _opt(1, "Devices (processes for ddp) per node; 'auto': every GPU when on GPUs, else 1.",
                         shown_type="int")  # omegaconf would refuse 'auto' in a recipe as not an int
     num_nodes: int = _opt(1, "Number of nodes.")

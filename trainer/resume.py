@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchyard.trainer.checkpoint import saved_position
+from torchyard.trainer.checkpoint import SHARDED_STATE_FILE, saved_position
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.runs import version_folder
 
@@ -66,9 +66,9 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint
             warnings.warn(f"{missing}, so this fit starts from the beginning.", stacklevel=3)
         return None
     path = Path(ckpt_path)
-    if path.is_dir():
+    if path.is_dir() and not (path / SHARDED_STATE_FILE).is_file():  # a sharded folder is one checkpoint
         raise MisconfigurationError(f"ckpt_path {str(path)!r} is a folder; give a checkpoint file in it, or 'last'.")
-    if not path.is_file():
+    if not path.exists():
         raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
     return path
 
@@ -105,7 +105,7 @@ def _last_checkpoint_folder(trainer: Trainer) -> Path | None:
     """The folder whose best good checkpoint "last" means; which file that is,
     load_newest decides where the checkpoint is loaded (ranking reads every file's counters: once is enough)."""
     own = getattr(trainer.checkpoint_callback, "last_model_path", "")
-    if own and Path(own).is_file():
+    if own and Path(own).exists():  # a file, or a sharded checkpoint's folder
         return Path(own).parent
     if trainer.module is not None:  # this Trainer ran: its own run's checkpoints, never another run's
         folder = getattr(trainer.checkpoint_callback, "dirpath", None)

@@ -32,7 +32,7 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, 
         "version": CHECKPOINT_VERSION,
         # Lightning's top-level counters, for ported on_load_checkpoint code and tools (loops holds the rest).
         "epoch": trainer.current_epoch, "global_step": trainer.global_step,
-        "state_dict": trainer.strategy.model_state_dict(),
+        "state_dict": trainer.strategy.checkpoint_model_state(),
         **saved_hparams(trainer),
     }
     if not weights_only:

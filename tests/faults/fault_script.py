@@ -1,8 +1,9 @@
 """A small training run that tests/test_faults.py starts, kills and resumes, in a subprocess or in pytest.
 
-    python fault_script.py <root> <single|ddp> [--kill-at STEP] [--slow-from STEP] [--slow-write-at STEP]
+    python fault_script.py <root> <single|ddp|fsdp> [--kill-at STEP] [--slow-from STEP] [--slow-write-at STEP]
 
---kill-at: the process SIGKILLs itself right after optimizer step STEP (rank 1 under ddp).
+fsdp runs on 2 processes, as ddp, saving sharded checkpoint folders.
+--kill-at: the process SIGKILLs itself right after optimizer step STEP (rank 1 under ddp and fsdp).
 --slow-from: from step STEP on, rank 0 writes <root>/marker and then sleeps 0.5 s per batch, leaving the
 test time to signal the run while it trains.
 --slow-write-at: at step STEP the checkpoint write stalls half-way, after writing <root>/marker.
@@ -29,6 +30,8 @@ from torchyard.callbacks import Callback, ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule
 
 SAMPLES, BATCH, EPOCHS, SEED = 48, 4, 2, 7  # one process: 12 steps an epoch; ddp on 2: 6
+#: The strategy each name runs, and on how many processes.
+STRATEGIES = {"single": ("single", 1), "ddp": ("ddp", 2), "fsdp": ({"name": "fsdp", "checkpoint": "sharded"}, 2)}
 
 
 def dataset(samples: int = SAMPLES, offset: int = 0) -> TensorDataset:
@@ -147,8 +150,9 @@ def loaders() -> tuple[DataLoader, DataLoader]:
 
 def make_trainer(root: str | Path, strategy: str, callbacks=(), **options) -> Trainer:
     checkpoints = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1, save_last=True)
+    spec, devices = STRATEGIES[strategy]
     return Trainer(
-        strategy=strategy, devices=2 if strategy == "ddp" else 1, accelerator="cpu", max_epochs=EPOCHS, seed=SEED,
+        strategy=spec, devices=devices, accelerator="cpu", max_epochs=EPOCHS, seed=SEED,
         deterministic=True, log_every_n_steps=1, num_sanity_val_steps=0, default_root_dir=str(root),
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[*callbacks, StartLog(str(Path(root, "starts.txt").absolute())), checkpoints], **options,
@@ -166,7 +170,7 @@ def fit(root: str | Path, strategy: str, callbacks=(), ckpt_path=None, **options
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
-    parser.add_argument("strategy", choices=["single", "ddp"])
+    parser.add_argument("strategy", choices=list(STRATEGIES))
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--slow-from", type=int)
     parser.add_argument("--slow-write-at", type=int)
@@ -174,7 +178,7 @@ def main() -> None:
     marker = str(Path(args.root) / "marker")
     callbacks: list[Callback] = []
     if args.kill_at is not None:
-        callbacks.append(KillAt(args.kill_at, rank=1 if args.strategy == "ddp" else 0))
+        callbacks.append(KillAt(args.kill_at, rank=1 if STRATEGIES[args.strategy][1] > 1 else 0))
     if args.slow_from is not None:
         callbacks.append(SlowFrom(args.slow_from, marker))
     if args.slow_write_at is not None:

@@ -16,6 +16,7 @@ STRATEGIES: dict[str, str] = {
     "single": "torchyard.trainer.strategies.single:SingleDeviceStrategy",
     "dp": "torchyard.trainer.strategies.dp:DataParallelStrategy",
     "ddp": "torchyard.trainer.strategies.ddp:DDPStrategy",
+    "fsdp": "torchyard.trainer.strategies.fsdp:FSDPStrategy",
     "pipeline": "torchyard.trainer.strategies.pipeline:PipelineStrategy",
     "ps": "torchyard.trainer.strategies.ps:ParameterServerStrategy",
 }

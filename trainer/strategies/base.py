@@ -102,8 +102,9 @@ class Strategy(ABC):
         loaders         prepare_loader; then batch_to_device for every batch
         steps           training_step or forward_backward (under no_backward_sync while gradients accumulate),
                         backward, clip_gradients, optimizer_step; eval_step; collectives wherever the run needs them
-        checkpoint IO   model_state_dict, optimizer_state_dict, save_checkpoint, link_checkpoint,
-                        remove_checkpoint; load_checkpoint, load_model_state_dict, load_optimizer_state_dict
+        checkpoint IO   checkpoint_model_state (model_state_dict), optimizer_state_dict, save_checkpoint,
+                        link_checkpoint, remove_checkpoint; load_checkpoint, load_model_state_dict,
+                        load_optimizer_state_dict
         teardown        gather_module (after fit), then teardown on every way out (call super() last)
     """
 
@@ -371,6 +372,10 @@ class Strategy(ABC):
         # self.module is the unwrapped user module, so its keys are already plain; stripping 'module.'
         # here would mangle a user's own submodule named `module` and break strict loading on resume.
         return dict(self.module.state_dict())
+
+    def checkpoint_model_state(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint holds: model_state_dict, unless the strategy saves them in shards (fsdp)."""
+        return self.model_state_dict()
 
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load what model_state_dict returned (from any strategy) into the module."""
