@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import override
 
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import parse_duration
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.evaluation_record import clear_training_ended, mark_training_ended
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
@@ -121,6 +123,13 @@ class ModelCheckpoint(Callback):
         # Rank 0's absolute folder: every rank records the same paths, and a resume from another cwd recognises them.
         self.dirpath = trainer.strategy.broadcast(str(path.absolute()) if trainer.is_global_zero else None)
         self._validation_ran = False
+        if trainer.is_global_zero:  # checkpoints come to the folder again (an evaluator watching it waits for them)
+            clear_training_ended(self.dirpath)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if trainer.is_global_zero and self.dirpath is not None:  # `trainer evaluate --watch` ends on this
+            mark_training_ended(self.dirpath, trainer.global_step)
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         # A resumed run's checkpoint already holds this step.
