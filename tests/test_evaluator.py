@@ -209,7 +209,7 @@ def test_the_side_process_scores_each_epoch_checkpoint_as_in_loop_validation_sco
 @pytest.mark.timeout(300)
 def test_trainer_evaluate_watch_attached_to_a_running_ddp_job_scores_every_checkpoint_once(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torchyard.trainer"]
+    command = [str(Path(sys.executable).parent / "trainer")]  # a console script: `python -m` cannot start workers
     fit = subprocess.Popen(
         [*command, "fit", DIGITS, DIGITS_DDP, "trainer.max_epochs=3", "trainer.limit_train_batches=3",
          "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
@@ -217,10 +217,12 @@ def test_trainer_evaluate_watch_attached_to_a_running_ddp_job_scores_every_check
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watch = subprocess.Popen(
         [*command, "evaluate", "runs/digits_ddp/version_0", "--watch", "--accelerator", "cpu", "--poll-interval",
-         "0.2", "--timeout", "200"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         "0.2", "--timeout", "120"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
     try:
         fit_output, _ = fit.communicate(timeout=250)
+        if fit.returncode != 0:
+            watch.kill()
         watch_output, _ = watch.communicate(timeout=250)
     finally:
         for process in (fit, watch):
