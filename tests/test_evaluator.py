@@ -24,6 +24,7 @@ from torchyard.trainer.config import EvaluatorConfig
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluation_record import DELETED, SCORED, read_record, training_ended
 from torchyard.trainer.evaluator import Evaluator, EvaluatorProcess
+from torchyard.trainer.plot import read_run
 from torchyard.trainer.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +138,9 @@ def test_trainer_evaluate_backfills_each_checkpoint_once_as_validate_scores_it(t
             verbose=False)
         assert evaluation.metrics == pytest.approx(reference, abs=1e-6)
         assert float(row["val/acc"]) == pytest.approx(reference["val/acc"], abs=1e-6)
+    # `trainer plot` draws them with the run's training curves, as it would in-loop validation.
+    assert read_run(run / "metrics.csv")["val/acc"] == ([3, 6], [e.metrics["val/acc"] for e in record])
+    assert "train/loss" in read_run(run / "metrics.csv")
     # Run again: nothing is scored twice, the rows stay.
     assert main(["evaluate", "runs/digits/version_0", "--accelerator", "cpu"]) == 0
     assert read_record(run) == record and csv_rows(run / "metrics_evaluator.csv") == rows

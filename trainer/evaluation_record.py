@@ -16,6 +16,10 @@ from typing import Any
 from torchyard.trainer.loggers import atomic_write_text
 
 RECORD_FILE = "evaluations.json"
+# The evaluator's metric rows, beside the run's metrics.csv (which the training owns while it runs): CSVLogger's
+# file for an evaluation logged into the run it evaluates, metrics_<stage>.csv, under the stage "evaluator".
+EVALUATOR_STAGE = "evaluator"
+EVALUATOR_METRICS_FILE = f"metrics_{EVALUATOR_STAGE}.csv"
 ENDED_FILE = "training_ended.json"
 RECORD_VERSION = 1
 SCORED, DELETED, SKIPPED = "scored", "deleted", "skipped"

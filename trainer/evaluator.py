@@ -39,6 +39,7 @@ from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.evaluation_record import (
     DELETED,
+    EVALUATOR_STAGE,
     SCORED,
     SKIPPED,
     Evaluation,
@@ -53,7 +54,6 @@ from torchyard.trainer.strategies.single import SingleDeviceStrategy
 if TYPE_CHECKING:
     from torchyard.trainer.trainer import Trainer
 
-EVALUATOR_STAGE = "evaluator"  # its rows go to metrics_evaluator.csv: the training owns metrics.csv while it runs
 PENDING = "pending"
 
 
