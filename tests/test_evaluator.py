@@ -23,7 +23,7 @@ from torchyard.trainer.cli import main
 from torchyard.trainer.config import EvaluatorConfig
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluation_record import DELETED, SCORED, read_record, training_ended
-from torchyard.trainer.evaluator import Evaluator, EvaluatorProcess
+from torchyard.trainer.evaluator import Evaluator, EvaluatorProcess, evaluator_gpu
 from torchyard.trainer.plot import read_run
 from torchyard.trainer.recipe import load_recipe
 
@@ -103,6 +103,11 @@ def test_evaluator_options_are_checked_before_anything_runs():
     assert recipe.to_dict()["trainer"]["evaluator"]["every_n"] == 3  # config.yaml reruns it
     with pytest.raises(MisconfigurationError, match="evaluator.limit_val_batches=0"):
         load_recipe([DIGITS, "trainer.evaluator.limit_val_batches=0"])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert evaluator_gpu(EvaluatorConfig(accelerator="cpu"), 0) is None
+    assert evaluator_gpu(EvaluatorConfig(), gpus) is None  # auto: no GPU left to the evaluator, so the CPU
+    with pytest.raises(MisconfigurationError, match=f"needs GPU {gpus}, but this node has {gpus} GPU"):
+        evaluator_gpu(EvaluatorConfig(accelerator="cuda"), gpus)
 
 
 def test_trainer_evaluate_of_a_folder_without_a_recipe_is_a_one_line_error(tmp_path, capsys):
@@ -243,3 +248,36 @@ def test_trainer_evaluate_watch_attached_to_a_running_ddp_job_scores_every_check
     assert all(name.startswith(f"epoch={e.epoch}-") or name == "last.ckpt" for e in record for name in e.checkpoints)
     assert [int(row["step"]) for row in csv_rows(run / "metrics_evaluator.csv")] == [e.step for e in record]
     assert watch_output.count("evaluator: ") == 4, watch_output  # three scores, then the closing line
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_evaluator_scores_on_a_gpu_as_on_the_cpu(tmp_path):
+    trainer = digits_fit("cpu_trained", limit_val_batches=0)
+    folder = trainer.checkpoint_callback.dirpath
+    for where, gpu in (("on_cpu", None), ("on_gpu", 0)):
+        run = tmp_path / "runs" / where / "version_0"
+        Evaluator(Trainer, DigitsCNN(dropout=0.0), DigitsData(), run, folder, CPU, gpu=gpu,
+                  say=lambda line: None).run()
+    on_cpu, on_gpu = (read_record(tmp_path / "runs" / where / "version_0") for where in ("on_cpu", "on_gpu"))
+    assert [e.step for e in on_gpu] == [e.step for e in on_cpu] == [4, 8]
+    for ours, theirs in zip(on_gpu, on_cpu):
+        assert ours.status == theirs.status == SCORED
+        # Other kernels, the same weights: the loss agrees closely; at most one of the 359 images may tip over.
+        assert ours.metrics["val/loss"] == pytest.approx(theirs.metrics["val/loss"], abs=1e-4)
+        assert ours.metrics["val/acc"] == pytest.approx(theirs.metrics["val/acc"], abs=3e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.timeout(180)
+def test_a_gpu_training_s_side_evaluator_scores_as_its_in_loop_validation(tmp_path):
+    # The training takes GPU 0; 'auto' gives the evaluator the next GPU, or the CPU on a one-GPU machine.
+    side = digits_fit("gpu_side", accelerator="cuda", evaluator={"poll_interval": 0.1}, limit_val_batches=0)
+    loop = digits_fit("gpu_loop", accelerator="cuda")
+    evaluated = logged(Path(side.log_dir) / "metrics_evaluator.csv", "val/acc")
+    in_loop = logged(Path(loop.log_dir) / "metrics.csv", "val/acc")
+    assert list(evaluated) == list(in_loop) == [4, 8]
+    # GPU training is not bitwise repeatable (cuDNN's algorithms), so the two runs' weights differ a little.
+    assert list(evaluated.values()) == pytest.approx(list(in_loop.values()), abs=0.01)
