@@ -137,7 +137,8 @@ class ModelCheckpoint(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if trainer.is_global_zero and self.dirpath is not None:  # `trainer evaluate --watch` ends on this
+        # `trainer evaluate --watch` ends on this; a smoke test (fast_dev_run) leaves no files, as it saves none.
+        if trainer.is_global_zero and self.dirpath is not None and not trainer.config.fast_dev_run:
             mark_training_ended(self.dirpath, trainer.global_step)
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:

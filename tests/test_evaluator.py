@@ -96,6 +96,8 @@ def test_evaluator_options_are_checked_before_anything_runs():
     for message, value in cases.items():
         with pytest.raises(MisconfigurationError, match="^" + re.escape(message)):
             Trainer(evaluator=value)
+    with pytest.raises(MisconfigurationError, match="^evaluator scores the checkpoints the fit writes, but enable_"):
+        Trainer(evaluator=True, enable_checkpointing=False)
     with pytest.raises(MisconfigurationError, match="from_evaluator=True.*give it monitor="):
         ModelCheckpoint(from_evaluator=True)
     recipe = load_recipe([DIGITS, "trainer.evaluator={accelerator: cpu, every_n: 3}"])

@@ -73,10 +73,11 @@ def best_evaluation(evaluations: list[Evaluation], monitor: str, mode: str) -> E
 
 
 def mark_training_ended(checkpoint_dir: str | Path, global_step: int) -> None:
-    """Say, in the checkpoint folder, that the fit writing there has ended: no more checkpoints will come."""
+    """Say, in the checkpoint folder, that the fit writing there has ended: no more checkpoints will come. A fit
+    that wrote no checkpoint (no folder) leaves none: there is nothing to evaluate, and no folder to create."""
     folder = Path(checkpoint_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(folder / ENDED_FILE, json.dumps({"global_step": global_step}))
+    if folder.is_dir():
+        atomic_write_text(folder / ENDED_FILE, json.dumps({"global_step": global_step}))
 
 
 def clear_training_ended(checkpoint_dir: str | Path) -> None:

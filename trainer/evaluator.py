@@ -161,6 +161,7 @@ class Evaluator:
         not recorded yet, by step. A file name seen again for a recorded state is added to its entry."""
         known = {evaluation.step: evaluation for evaluation in self.record}
         found: dict[int, Evaluation] = {}
+        renamed = False
         for path in sorted(self.checkpoint_dir.glob("*.ckpt")):
             try:
                 stat = path.stat()
@@ -179,6 +180,9 @@ class Evaluator:
                 found[step] = Evaluation(step, global_step, epoch, [path.name], status=PENDING)
             elif path.name not in entry.checkpoints:
                 entry.checkpoints.append(path.name)
+                renamed = renamed or entry is known.get(step)
+        if renamed:
+            write_record(self.run_dir, self.record)
         return sorted(found.values(), key=lambda evaluation: evaluation.step)
 
     def score(self, found: list[Evaluation]) -> None:
@@ -205,9 +209,9 @@ class Evaluator:
         for name in evaluation.checkpoints:
             try:
                 checkpoint = load_checkpoint_file(self.checkpoint_dir / name)
-            except CheckpointError:
-                if (self.checkpoint_dir / name).exists():
-                    raise
+            except CheckpointError as err:
+                if (self.checkpoint_dir / name).exists():  # damaged: the state may be whole under another name
+                    self.say(f"evaluator: cannot read {name}: {err}")
                 continue
             if _position(checkpoint)[0] == evaluation.step:
                 return checkpoint

@@ -74,6 +74,9 @@ def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> 
     if config.enable_checkpointing and not any(issubclass(k, ModelCheckpoint) for k in kinds):
         callbacks.append(ModelCheckpoint(save_last=True))
     if config.evaluator is not None:
+        if not config.enable_checkpointing:
+            raise MisconfigurationError("evaluator scores the checkpoints the fit writes, but enable_checkpointing="
+                                        "False writes none; drop one of the two.")
         callbacks.append(EvaluatorProcess(config.evaluator))
     if config.max_time is not None:
         if any(issubclass(k, Timer) for k in kinds):  # Lightning ignores max_time then, with a warning
