@@ -22,7 +22,7 @@ from torchyard.trainer.checkpoint import load_checkpoint_file
 from torchyard.trainer.cli import main
 from torchyard.trainer.config import EvaluatorConfig
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.evaluation_record import DELETED, SCORED, read_record, training_ended
+from torchyard.trainer.evaluation_record import DELETED, SCORED, SKIPPED, read_record, training_ended
 from torchyard.trainer.evaluator import Evaluator, EvaluatorProcess, evaluator_gpu
 from torchyard.trainer.plot import read_run
 from torchyard.trainer.recipe import load_recipe
@@ -160,6 +160,11 @@ def test_a_checkpoint_removed_before_it_was_scored_is_skipped(tmp_path):
     trainer = digits_fit("removed", limit_val_batches=0)
     folder = Path(trainer.checkpoint_callback.dirpath)
     evaluator = Evaluator(Trainer, DigitsCNN(), DigitsData(), trainer.log_dir, folder, CPU, say=lambda line: None)
+    # every_n=3 leaves both out as they come, then scores the run's last one all the same.
+    sparse_run = tmp_path / "runs" / "sparse" / "version_0"
+    Evaluator(Trainer, DigitsCNN(), DigitsData(), sparse_run, folder, EvaluatorConfig(accelerator="cpu", every_n=3),
+              say=lambda line: None).run()
+    assert [(e.step, e.status) for e in read_record(sparse_run)] == [(4, SKIPPED), (8, SCORED)]
     found = evaluator.new_states()
     assert [e.checkpoints for e in found] == [["epoch=0-step=4.ckpt"], ["epoch=1-step=8.ckpt"]]
     (folder / "epoch=0-step=4.ckpt").unlink()  # top-k removed it after the evaluator listed it
@@ -196,6 +201,18 @@ def test_model_checkpoint_keeps_the_best_by_the_evaluators_scores(tmp_path):
     assert float(best_k.best_model_score) == pytest.approx(best.metrics["val/acc"])
     assert best_k.awaiting_score == {}
     assert sorted(path.name for path in Path(best_k.dirpath).glob("*.ckpt")) == [best.checkpoints[0]]
+
+
+def test_a_run_logging_to_tensorboard_gets_the_evaluators_values_there_too(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    trainer = digits_fit("board", limit_val_batches=0, logger="tensorboard")
+    run = Path(trainer.log_dir)
+    Evaluator(Trainer, DigitsCNN(), DigitsData(), run, trainer.checkpoint_callback.dirpath, CPU, tensorboard=True,
+              say=lambda line: None).run()
+    events = event_accumulator.EventAccumulator(str(run))
+    events.Reload()  # the training's event file and the evaluator's, in one folder: one run to TensorBoard
+    scored = {e.step: e.metrics["val/acc"] for e in read_record(run)}
+    assert {event.step: event.value for event in events.Scalars("val/acc")} == pytest.approx(scored)
 
 
 # --------------------------------------------------------------------------- processes
