@@ -115,6 +115,15 @@ def test_evaluator_options_are_checked_before_anything_runs():
         evaluator_gpu(EvaluatorConfig(accelerator="cuda"), gpus)
 
 
+def test_a_fit_given_loaders_alone_cannot_hand_them_to_the_evaluator(tmp_path):
+    data = DigitsData()
+    data.setup("fit")
+    loaders = (data.train_dataloader(), data.val_dataloader())
+    trainer = Trainer(max_epochs=1, evaluator={"accelerator": "cpu"}, enable_progress_bar=False)
+    with pytest.raises(MisconfigurationError, match="^the evaluator validates with the loader of a DataModule"):
+        trainer.fit(DigitsCNN(), *loaders)
+
+
 def test_trainer_evaluate_of_a_folder_without_a_recipe_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "runs" / "x" / "version_0").mkdir(parents=True)
     assert main(["evaluate", "runs/x/version_0"]) == 2

@@ -49,7 +49,7 @@ from torchyard.trainer.evaluation_record import (
     write_record,
 )
 from torchyard.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
-from torchyard.trainer.module import TrainModule
+from torchyard.trainer.module import TrainModule, overridden
 from torchyard.trainer.strategies.single import SingleDeviceStrategy
 
 if TYPE_CHECKING:
@@ -311,8 +311,16 @@ class EvaluatorProcess(Callback):
 
     @override
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        if stage == "fit" and trainer.is_global_zero:  # refused here, before the fit takes its first step
-            evaluator_gpu(self.options, self._training_gpus(trainer))
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        # Refused here, before the fit takes its first step.
+        evaluator_gpu(self.options, self._training_gpus(trainer))
+        if trainer.datamodule is None and overridden(module, "val_dataloader", TrainModule) is None:
+            raise MisconfigurationError(
+                "the evaluator validates with the loader of a DataModule or of the module's val_dataloader, and this "
+                "fit has neither (loaders given to fit stay in this process); pass a datamodule, or define "
+                f"{type(module).__name__}.val_dataloader."
+            )
 
     @staticmethod
     def _training_gpus(trainer: Trainer) -> int:
