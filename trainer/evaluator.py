@@ -114,6 +114,8 @@ class Evaluator:
         self.say = say or (lambda line: print(line, flush=True))
         # The validation Trainer numbers a run folder of its own, which must not land beside the user's runs.
         self._scratch = tempfile.mkdtemp(prefix="trainer-evaluator-")
+        if gpu is None and precision == "16-mixed":
+            precision = "32"  # no fp16 autocast on the CPU: a GPU run's checkpoints are scored in float32 there
         self.trainer = trainer_class(
             strategy=EvaluatorStrategy(gpu), accelerator="cpu" if gpu is None else "cuda", precision=precision,
             inference_mode=inference_mode, limit_val_batches=options.limit_val_batches, logger=False,
