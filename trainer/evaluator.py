@@ -345,6 +345,9 @@ class EvaluatorProcess(Callback):
         self._ended, self._failed = context.Event(), False
         self.process = context.Process(target=_side_process, args=(job, self._ended), name="trainer-evaluator")
         self.process.start()
+        device = "cpu" if job.gpu is None else f"cuda:{job.gpu}"
+        print(f"trainer: evaluator process {self.process.pid} on {device} scores the checkpoints in "
+              f"{checkpoints.dirpath}", file=sys.stderr, flush=True)
 
     @override
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
