@@ -93,7 +93,9 @@ class EarlyStopping(Callback):
         if self.monitor not in metrics:
             message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; "
                        f"logged: {sorted(metrics)}. "
-                       f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False.")
+                       f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False"
+                       + (" (or from_evaluator=True, to read the evaluator's scores)."
+                          if trainer.config.evaluator is not None else "."))
             if self.strict:
                 raise MisconfigurationError(message)
             if not self._warned_missing and trainer.is_global_zero:
