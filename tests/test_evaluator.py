@@ -4,6 +4,7 @@ its record drives EarlyStopping and ModelCheckpoint."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import re
 import subprocess
@@ -113,6 +114,13 @@ def test_evaluator_options_are_checked_before_anything_runs():
     assert evaluator_gpu(EvaluatorConfig(), gpus) is None  # auto: no GPU left to the evaluator, so the CPU
     with pytest.raises(MisconfigurationError, match=f"needs GPU {gpus}, but this node has {gpus} GPU"):
         evaluator_gpu(EvaluatorConfig(accelerator="cuda"), gpus)
+
+
+def test_docs_list_every_evaluator_option_and_its_cli_flag():
+    text = (REPO / "docs" / "evaluator.md").read_text()
+    for option in dataclasses.fields(EvaluatorConfig):
+        assert f"| `{option.name}` |" in text, option.name
+        assert f"--{option.name.replace('_', '-')}" in text, option.name
 
 
 def test_a_fit_given_loaders_alone_cannot_hand_them_to_the_evaluator(tmp_path):
