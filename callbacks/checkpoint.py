@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import override
 
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import parse_duration
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.evaluation_record import SCORED, clear_training_ended, mark_training_ended, read_record
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
@@ -41,6 +43,10 @@ class ModelCheckpoint(Callback):
     enable_version_counter=False it is overwritten instead). A non-finite monitored value is never saved as
     a top-k one. `save_weights_only` writes the weights and hparams alone: smaller files that evaluate and
     load, but that no fit can resume from.
+    `from_evaluator=True` ranks by the scores of the evaluator side process (`Trainer(evaluator=...)`, its
+    evaluations.json in the run folder) instead of values logged in the loop: every due save writes a checkpoint,
+    which waits for its score; once scored it is ranked, and only the `save_top_k` best scored ones are kept
+    (`best_model_path` is the best scored so far; the fit's end settles the last scores).
     """
 
     monitors = True
@@ -53,7 +59,7 @@ class ModelCheckpoint(Callback):
                  every_n_epochs: int | None = None, every_n_train_steps: int | None = None,
                  verbose: bool = False, auto_insert_metric_name: bool = True, save_weights_only: bool = False,
                  enable_version_counter: bool = True, train_time_interval: Any = None,
-                 save_on_train_epoch_end: bool | None = None) -> None:
+                 save_on_train_epoch_end: bool | None = None, from_evaluator: bool = False) -> None:
         if mode not in ("min", "max"):
             raise MisconfigurationError(f"ModelCheckpoint(mode={mode!r}) is not known; use 'min' or 'max'.")
         if not isinstance(save_top_k, int) or save_top_k < -1:
@@ -71,6 +77,9 @@ class ModelCheckpoint(Callback):
         triggers = [f"{key}={value!r}" for key, value in given if value]
         if len(triggers) > 1:
             raise MisconfigurationError(f"ModelCheckpoint got {' and '.join(triggers)}; set only one of them.")
+        if from_evaluator and monitor is None:
+            raise MisconfigurationError("ModelCheckpoint(from_evaluator=True) ranks by the evaluator's score of a "
+                                        "metric: give it monitor= (e.g. monitor='val/acc', mode='max').")
         if save_on_train_epoch_end not in (None, True, False):
             raise MisconfigurationError(
                 f"ModelCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}) takes True, False or None.")
@@ -85,6 +94,8 @@ class ModelCheckpoint(Callback):
         self.verbose, self.auto_insert_metric_name = verbose, auto_insert_metric_name
         self.save_weights_only, self.enable_version_counter = save_weights_only, enable_version_counter
         self.best_k_models: dict[str, torch.Tensor] = {}
+        self.from_evaluator = from_evaluator
+        self.awaiting_score: dict[str, int] = {}  # from_evaluator: checkpoint path -> its global step, not yet scored
         self.best_model_path, self.kth_best_model_path, self.last_model_path = "", "", ""
         self.best_model_score: torch.Tensor | None = None
         self.kth_value: torch.Tensor | None = None
@@ -121,6 +132,14 @@ class ModelCheckpoint(Callback):
         # Rank 0's absolute folder: every rank records the same paths, and a resume from another cwd recognises them.
         self.dirpath = trainer.strategy.broadcast(str(path.absolute()) if trainer.is_global_zero else None)
         self._validation_ran = False
+        if trainer.is_global_zero:  # checkpoints come to the folder again (an evaluator watching it waits for them)
+            clear_training_ended(self.dirpath)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        # `trainer evaluate --watch` ends on this; a smoke test (fast_dev_run) leaves no files, as it saves none.
+        if trainer.is_global_zero and self.dirpath is not None and not trainer.config.fast_dev_run:
+            mark_training_ended(self.dirpath, trainer.global_step)
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
         # A resumed run's checkpoint already holds this step.
@@ -168,7 +187,8 @@ class ModelCheckpoint(Callback):
 
     def _score_is_current(self, trainer: Trainer) -> bool:
         """Whether the monitored value is this step's: after no validation it is an older one, not worth ranking."""
-        return self.monitor is None or not trainer.val_dataloaders or self._validated_step == trainer.global_step
+        current = self.monitor is None or not trainer.val_dataloaders or self._validated_step == trainer.global_step
+        return current or self.from_evaluator  # the evaluator scores each checkpoint later, whatever the loop ran
 
     def _epoch_due(self, trainer: Trainer) -> bool:
         return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -180,7 +200,7 @@ class ModelCheckpoint(Callback):
             return  # fast_dev_run: a smoke test leaves no files behind
         self._last_global_step_saved = step
         values = self._candidates(trainer)
-        absent = top_k and self.monitor is not None and self.monitor not in values
+        absent = top_k and self.monitor is not None and self.monitor not in values and not self.from_evaluator
         missing = self._missing_monitor(trainer, at_epoch_end) if absent else None
         previous_last = self.last_model_path
         if self.save_last:
@@ -213,7 +233,8 @@ class ModelCheckpoint(Callback):
         """The error for a monitor absent where it must be logged; None (warning once) before a validation logs it."""
         message = (f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
                    f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) "
-                   "or fix the name.")
+                   "or fix the name" + (", or rank by the evaluator's scores: from_evaluator=True."
+                                        if trainer.config.evaluator is not None else "."))
         # Before the first validation a validation metric is legitimately absent; after it, it is a mistake.
         epoch_validated = at_epoch_end and trainer.epoch_batches_done and trainer.validates_at_epoch_end
         if self._validation_ran or epoch_validated:
@@ -225,6 +246,8 @@ class ModelCheckpoint(Callback):
 
     def _save_top_k(self, trainer: Trainer, values: dict[str, Any]) -> str | None:
         """Save a checkpoint if it makes the top k; the path written, if any."""
+        if self.from_evaluator:
+            return self._save_for_evaluator(trainer, values)
         if self.monitor is None:
             score = float(values["step"])  # without a monitor the newest checkpoints are the best ones
         elif self.monitor not in values:
@@ -256,6 +279,50 @@ class ModelCheckpoint(Callback):
         for old in evicted:
             trainer.strategy.remove_checkpoint(old)
         return path
+
+    def _save_for_evaluator(self, trainer: Trainer, values: dict[str, Any]) -> str:
+        """Save a checkpoint for the evaluator to score; it is ranked once its score is recorded."""
+        path = self._free_path(trainer, self.filename, values, reusable="")
+        self.awaiting_score[path] = int(values["step"])
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        self.settle_scores(trainer)
+        return path
+
+    def settle_scores(self, trainer: Trainer, collective: bool = True) -> None:
+        """Rank the checkpoints the evaluator has scored since the last call and keep the save_top_k best scored
+        ones (those still awaiting a score stay). Rank 0 reads the record; `collective=False`: rank 0 alone."""
+        scored: dict[str, float] | None = None
+        if trainer.is_global_zero:
+            by_step = {evaluation.global_step: evaluation.metrics[self.monitor]
+                       for evaluation in read_record(trainer.log_dir)
+                       if evaluation.status == SCORED and self.monitor in evaluation.metrics}
+            scored = {path: by_step[step] for path, step in self.awaiting_score.items() if step in by_step}
+        if collective:
+            scored = trainer.strategy.broadcast(scored)
+        if not scored:
+            return
+        unranked = []
+        for path, score in scored.items():
+            del self.awaiting_score[path]
+            if math.isfinite(score):
+                self.best_k_models[path] = torch.tensor(score, dtype=torch.float64)
+            else:  # as in the loop: a non-finite score is never a top-k checkpoint
+                unranked.append(path)
+        while self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+            worst = self._worst_path()
+            unranked.append(worst)
+            del self.best_k_models[worst]
+        self._rank()
+        for path in unranked:
+            trainer.strategy.remove_checkpoint(path)
+
+    @override
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        # The evaluator has scored the fit's last checkpoints by now (its callback waits for it in its teardown,
+        # which runs first); no collective here, where a failed rank may be gone: the launching script adopts
+        # rank 0's ranking.
+        if stage == "fit" and self.from_evaluator and self.awaiting_score:
+            self.settle_scores(trainer, collective=False)
 
     def _free_path(self, trainer: Trainer, template: str, values: dict[str, Any], reusable: str) -> str:
         """`<dirpath>/<name>.ckpt`, or `-v1`, `-v2`, ... added while a file has it (with enable_version_counter)."""
@@ -326,6 +393,7 @@ class ModelCheckpoint(Callback):
             "best_model_score": self.best_model_score, "best_k_models": dict(self.best_k_models),
             "kth_best_model_path": self.kth_best_model_path, "kth_value": self.kth_value,
             "last_model_path": self.last_model_path, "current_score": self.current_score,
+            "awaiting_score": dict(self.awaiting_score),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -340,6 +408,7 @@ class ModelCheckpoint(Callback):
             return
         self.dirpath = self.dirpath or saved_dir
         self.best_k_models = dict(state.get("best_k_models", {}))
+        self.awaiting_score = dict(state.get("awaiting_score", {}))
         self.last_model_path = state.get("last_model_path", "")
         self.current_score = state.get("current_score")
         self._rank()

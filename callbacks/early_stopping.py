@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.evaluation_record import SCORED, read_record, scores
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
@@ -23,6 +24,11 @@ class EarlyStopping(Callback):
     beats `stopping_threshold`, or is worse than `divergence_threshold`. `patience` counts checks, not epochs.
     Every rank decides on rank 0's value, so the reason is rank 0's and printed there only; Lightning's
     `log_rank_zero_only` is accepted for ported code and changes nothing.
+
+    `from_evaluator=True` reads `monitor` from the scores of the evaluator side process (`Trainer(evaluator=...)`,
+    its evaluations.json in the run folder) instead of the values logged in the loop: at each training epoch's end,
+    each checkpoint it scored since the last check counts as one check, in step order, so the fit stops within one
+    checkpoint interval of the score that says so (given the evaluator keeps up).
     """
 
     monitors = True
@@ -30,7 +36,8 @@ class EarlyStopping(Callback):
     def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, mode: str = "min",
                  check_finite: bool = True, stopping_threshold: float | None = None,
                  divergence_threshold: float | None = None, verbose: bool = False, strict: bool = True,
-                 check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False) -> None:
+                 check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False,
+                 from_evaluator: bool = False) -> None:
         if mode not in ("min", "max"):
             raise MisconfigurationError(f"EarlyStopping(mode={mode!r}) is not known; use 'min' or 'max'.")
         if not isinstance(patience, int) or patience < 0:
@@ -43,6 +50,8 @@ class EarlyStopping(Callback):
         self.check_finite, self.strict, self.verbose = check_finite, strict, verbose
         self.stopping_threshold, self.divergence_threshold = stopping_threshold, divergence_threshold
         self.check_on_train_epoch_end = check_on_train_epoch_end
+        self.from_evaluator = from_evaluator
+        self.evaluated_step = -1  # from_evaluator: the step of the newest evaluator score already checked
         self.wait_count = 0
         self.stopped_epoch = 0
         self.best_score = math.inf if mode == "min" else -math.inf
@@ -56,6 +65,9 @@ class EarlyStopping(Callback):
         return f"{type(self).__qualname__}{settings!r}"
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        if self.from_evaluator:  # the scores arrive from another process: read them at each epoch's end
+            self._at_epoch_end = True
+            return
         if self.check_on_train_epoch_end is not None:
             self._at_epoch_end = self.check_on_train_epoch_end
             return
@@ -74,11 +86,16 @@ class EarlyStopping(Callback):
     def _check(self, trainer: Trainer) -> None:
         if trainer.config.fast_dev_run:
             return  # a smoke test of a batch or two: as in Lightning, it never stops early
+        if self.from_evaluator:
+            self._check_evaluator_scores(trainer)
+            return
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             message = (f"EarlyStopping(monitor={self.monitor!r}) found no such logged metric; "
                        f"logged: {sorted(metrics)}. "
-                       f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False.")
+                       f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False"
+                       + (" (or from_evaluator=True, to read the evaluator's scores)."
+                          if trainer.config.evaluator is not None else "."))
             if self.strict:
                 raise MisconfigurationError(message)
             if not self._warned_missing and trainer.is_global_zero:
@@ -94,6 +111,34 @@ class EarlyStopping(Callback):
             self.stopping_reason = reason
         if reason and (should_stop or self.verbose) and trainer.is_global_zero:
             print(f"EarlyStopping (epoch {trainer.current_epoch}, step {trainer.global_step}): {reason}")
+
+    def _check_evaluator_scores(self, trainer: Trainer) -> None:
+        """Each score the evaluator recorded since the last check is one check (rank 0 reads them for every rank)."""
+        new: tuple[list[tuple[int, float]], list[str]] | None = None
+        if trainer.is_global_zero:
+            record = read_record(trainer.log_dir)
+            lacking = sorted({name for e in record if e.status == SCORED and self.monitor not in e.metrics
+                              for name in e.metrics})
+            new = ([(step, value) for step, value in scores(record, self.monitor) if step > self.evaluated_step],
+                   lacking)
+        values, lacking = trainer.strategy.broadcast(new)
+        if lacking and not values:
+            message = (f"EarlyStopping(monitor={self.monitor!r}, from_evaluator=True): the evaluator's scores hold no "
+                       f"such metric; they hold {lacking}. Fix the name, or pass strict=False.")
+            if self.strict:
+                raise MisconfigurationError(message)
+            if not self._warned_missing and trainer.is_global_zero:
+                self._warned_missing = True
+                warnings.warn(message, stacklevel=2)
+        for step, value in values:
+            self.evaluated_step = step
+            should_stop, reason = self._evaluate(value)
+            if reason and (should_stop or self.verbose) and trainer.is_global_zero:
+                print(f"EarlyStopping (epoch {trainer.current_epoch}, the evaluator's score of step {step}): {reason}")
+            if should_stop:
+                trainer.should_stop = True
+                self.stopped_epoch, self.stopping_reason = trainer.current_epoch, reason
+                return
 
     def _improves(self, current: float, reference: float, margin: float = 0.0) -> bool:
         return current < reference - margin if self.mode == "min" else current > reference + margin
@@ -123,10 +168,11 @@ class EarlyStopping(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self.best_score,
-                "patience": self.patience}
+                "patience": self.patience, "evaluated_step": self.evaluated_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # patience stays as configured now: resuming with a different patience is a deliberate choice.
         self.wait_count = int(state["wait_count"])
         self.stopped_epoch = int(state["stopped_epoch"])
         self.best_score = float(state["best_score"])
+        self.evaluated_step = int(state.get("evaluated_step", -1))

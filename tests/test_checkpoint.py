@@ -751,7 +751,8 @@ def test_files_are_fsynced_before_their_rename_and_the_folder_once_as_the_fit_en
         assert crash
     folder = tmp_path / "default/version_0/checkpoints"
     epochs = 2 if crash else 3  # 5 steps an epoch: the crash comes in the third
-    assert sorted(p.name for p in folder.iterdir()) == [f"epoch={epochs - 1}-step={5 * epochs}.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == [f"epoch={epochs - 1}-step={5 * epochs}.ckpt", "last.ckpt",
+                                                        *([] if crash else ["training_ended.json"])]
     folder_syncs = [i for i, (path, _) in enumerate(synced) if path == str(folder)]
     last_file_sync = max(i for i, (path, _) in enumerate(synced) if path.startswith(str(folder) + "/"))
     assert len(folder_syncs) == 1 and folder_syncs[0] > last_file_sync

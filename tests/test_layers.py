@@ -27,8 +27,8 @@ LAYERS: dict[str, int] = {
     f"{T}.loggers": 2,
     #    and the checks every node of a multi-node job runs before the nodes meet
     f"{T}.node_checks": 2,
-    # 3: the option schema: every Trainer option, its checks, the run's config.yaml
-    f"{T}.config": 3,
+    # 3: the option schema: every Trainer option, its checks, the run's config.yaml; the evaluator's record of a run
+    f"{T}.config": 3, f"{T}.evaluation_record": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema
     f"{T}.optim": 4, f"{T}.precision": 4,
     # 5: the user's base class
@@ -51,6 +51,8 @@ LAYERS: dict[str, int] = {
     # 14-15: the built-in callbacks, then their package (trainer.py builds the default ones)
     f"{C}.checkpoint": 14, f"{C}.early_stopping": 14, f"{C}.lr_monitor": 14, f"{C}.prediction_writer": 14,
     f"{C}.progress": 14, f"{C}.summary": 14, f"{C}.timer": 14,
+    #     and the evaluator side process's callback (it validates with the Trainer class it is handed, not imports)
+    f"{T}.evaluator": 14,
     C: 15,
     # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
@@ -82,6 +84,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.submit", f"{T}.recipe"): CLI_REASON,
     (f"{T}.hosts", f"{T}.recipe"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launcher"): "torch's elastic agent takes 150 ms to import; only a started job needs it",
+    (f"{T}.cli", f"{T}.evaluator"): CLI_REASON,
 }
 
 MAX_FUNCTION_LINES = 60

@@ -4,6 +4,7 @@
     trainer config RECIPE [...] [dotted.key=value ...]      the resolved recipe as YAML
     trainer config --reference [--readme README.md]         every trainer option (and the README table)
     trainer plot RUN_DIR [RUN_DIR ...] -o curves.png
+    trainer evaluate RUN_DIR [--watch] [--accelerator A] [--device N] [--every-n N]   score a run's checkpoints
     trainer submit RECIPE [...] --nodes N [--gpus-per-node G] [--dry-run]   a SLURM batch job (trainer/submit.py)
     trainer launch --hosts H1,H2 [--nproc-per-node N] RECIPE|SCRIPT.py [...]  one node per host over ssh (hosts.py)
     trainer checkpoint convert FOLDER FILE                   a sharded (fsdp) checkpoint as one full file
@@ -28,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-from torchyard.trainer.config import TrainerConfig, reference_table, update_readme
+from torchyard.trainer.config import EvaluatorConfig, TrainerConfig, evaluator_config, reference_table, update_readme
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.hosts import add_arguments as add_launch_arguments
 from torchyard.trainer.submit import add_arguments as add_submit_arguments
@@ -132,7 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_submit_arguments(commands.add_parser("submit", parents=[verbose], help="run a recipe as a SLURM batch job"))
     add_launch_arguments(commands.add_parser("launch", parents=[verbose],
                                              help="run a recipe or script on several hosts over ssh, one node each"))
+    add_evaluate_arguments(commands.add_parser("evaluate", parents=[verbose], help="score each checkpoint of a run "
+                                               "with its validation_step (docs/evaluator.md)"))
     return parser
+
+
+def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EvaluatorConfig()
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's version folder, e.g. runs/digits/version_0")
+    parser.add_argument("--watch", action="store_true", help="keep scoring new checkpoints until the training ends")
+    parser.add_argument("--checkpoints", metavar="DIR", help="the checkpoint folder (default: RUN_DIR/checkpoints)")
+    parser.add_argument("--accelerator", default=defaults.accelerator, help="cpu, cuda or auto (default: auto)")
+    parser.add_argument("--device", type=int, default=None, help="the GPU index with cuda (default: 0)")
+    parser.add_argument("--every-n", type=int, default=defaults.every_n, help="score every n-th checkpoint")
+    parser.add_argument("--poll-interval", type=float, default=defaults.poll_interval, metavar="SECONDS",
+                        help=f"seconds between looks at the folder (default: {defaults.poll_interval:g})")
+    parser.add_argument("--limit-val-batches", type=float, default=defaults.limit_val_batches, metavar="LIMIT",
+                        help="validation batches per checkpoint: a fraction, or a count (default: all)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --watch: stop after this long without a new checkpoint (default: never)")
+    parser.set_defaults(handler=evaluate_checkpoints)
 
 
 # --------------------------------------------------------------------------- commands
@@ -185,6 +205,29 @@ def show_config(args: argparse.Namespace) -> int:
 
     _import_from_cwd()
     print(load_recipe(args.sources).to_yaml(), end="")
+    return 0
+
+
+def evaluate_checkpoints(args: argparse.Namespace) -> int:
+    """Score each checkpoint of a run once, logging into that run (a backfill; with --watch, as they appear)."""
+    # Imports torch: see run_stage.
+    from torchyard.trainer import Trainer
+    from torchyard.trainer.evaluator import evaluate_run, wait_for_run
+    from torchyard.trainer.recipe import load_recipe
+
+    limit = args.limit_val_batches
+    options = evaluator_config({
+        "accelerator": args.accelerator, "device": args.device, "every_n": args.every_n,
+        "poll_interval": args.poll_interval, "limit_val_batches": int(limit) if limit > 1 else limit,
+    })
+    _import_from_cwd()
+    # The recipe the run saved builds its module and data (with --watch, once the job has written it).
+    recipe = load_recipe([str(wait_for_run(Path(args.run_dir), args.watch, args.timeout, options.poll_interval))])
+    record = evaluate_run(Trainer, recipe.model.instantiate(), recipe.data.instantiate(), recipe.trainer,
+                          args.run_dir, options, watch=args.watch, checkpoint_dir=args.checkpoints,
+                          idle_timeout=args.timeout)
+    scored = sum(evaluation.status == "scored" for evaluation in record)
+    print(f"evaluator: {scored} checkpoint(s) scored in all; the record is {Path(args.run_dir) / 'evaluations.json'}")
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -124,6 +125,11 @@ class TrainerConfig:
         "(saves one host sync per step on GPU).",
     )
     inference_mode: bool = _opt(True, "Evaluate under torch.inference_mode (else no_grad).")
+    evaluator: Any = _opt(
+        None,
+        "Score each checkpoint in a side process instead of (or beside) in-loop validation: true, or "
+        "{accelerator, device, every_n, poll_interval, limit_val_batches} (docs/evaluator.md); unset: none.",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -133,6 +139,58 @@ class TrainerConfig:
         if self.max_epochs is None:
             return 1000 if self.max_steps == -1 else -1
         return int(self.max_epochs)
+
+
+EVALUATOR_ACCELERATORS = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EvaluatorConfig:
+    """The evaluator side process (trainer/evaluator.py): `Trainer(evaluator={...})`, a recipe's
+    `trainer.evaluator`, or the options of `trainer evaluate`."""
+
+    #: 'cpu', 'cuda', or 'auto': a GPU of this node that the training leaves free, else the CPU.
+    accelerator: str = "auto"
+    #: With 'cuda': the GPU's index on this node; unset: the first one the training leaves free.
+    device: Any = None
+    #: Score every n-th checkpoint the evaluator finds (the run's last one always).
+    every_n: int = 1
+    #: Seconds between two looks at the checkpoint folder.
+    poll_interval: float = 1.0
+    #: Validation batches per checkpoint: a fraction (float) or a count (int).
+    limit_val_batches: Any = 1.0
+
+
+def evaluator_config(value: Any) -> EvaluatorConfig | None:
+    """The evaluator option as an EvaluatorConfig (None: off), checked; `value` is None/False, True, a mapping of
+    EvaluatorConfig fields or an EvaluatorConfig."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = EvaluatorConfig()
+    elif isinstance(value, Mapping):
+        fields = [f.name for f in dataclasses.fields(EvaluatorConfig)]
+        for key in value:
+            _need(key in fields, f"unknown evaluator option {key!r}{closest(str(key), fields)}; "
+                                 f"the evaluator takes {', '.join(fields)}.")
+        value = EvaluatorConfig(**value)
+    _need(isinstance(value, EvaluatorConfig),
+          f"evaluator={value!r}: use true, or a mapping such as {{accelerator: cpu, every_n: 1}}.")
+    _need(value.accelerator in EVALUATOR_ACCELERATORS,
+          f"evaluator.accelerator={value.accelerator!r}; use one of {', '.join(EVALUATOR_ACCELERATORS)}.")
+    _need(value.device is None or (_is_int(value.device) and value.device >= 0),
+          f"evaluator.device={value.device!r} must be a GPU index (int >= 0) or unset.")
+    _need(value.device is None or value.accelerator != "cpu",
+          f"evaluator.device={value.device} names a GPU, but evaluator.accelerator='cpu'; drop one of the two.")
+    _need(_is_int(value.every_n) and value.every_n >= 1,
+          f"evaluator.every_n={value.every_n!r} must be an integer >= 1.")
+    interval = value.poll_interval
+    _need(isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval > 0,
+          f"evaluator.poll_interval={interval!r} must be a positive number of seconds.")
+    limit = value.limit_val_batches
+    _need((_is_int(limit) and limit >= 1) or (isinstance(limit, float) and 0.0 < limit <= 1.0),
+          f"evaluator.limit_val_batches={limit!r} must be a fraction in (0.0, 1.0] or a batch count (int >= 1).")
+    return value
 
 
 _DHMS = re.compile(r"^\s*(\d+):(\d+):(\d+):(\d+)\s*$")
@@ -238,6 +296,7 @@ def validate(config: TrainerConfig) -> None:
     _validate_counts(config)
     _validate_choices(config)
     _validate_limits(config)
+    config.evaluator = evaluator_config(config.evaluator)
 
 
 def _validate_counts(config: TrainerConfig) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.evaluation_record import EVALUATOR_METRICS_FILE
 
 # Columns of metrics.csv that are coordinates, not metrics.
 NOT_METRICS = ("step", "epoch")
@@ -51,6 +52,20 @@ def read_metrics(path: Path) -> dict[str, tuple[list[int], list[float]]]:
     return series
 
 
+def read_run(metrics_file: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """read_metrics of a run's metrics.csv, with the rows of its evaluator side process merged in by step: they
+    stand for the run's validation (other evaluations of the run, metrics_<stage>.csv, are not drawn)."""
+    series = read_metrics(metrics_file)
+    evaluated = metrics_file.with_name(EVALUATOR_METRICS_FILE)
+    if not evaluated.is_file():
+        return series
+    for name, (steps, values) in read_metrics(evaluated).items():
+        old_steps, old_values = series.get(name, ([], []))
+        merged = sorted(zip(old_steps + steps, old_values + values), key=lambda pair: pair[0])
+        series[name] = ([step for step, _ in merged], [value for _, value in merged])
+    return series
+
+
 def panel_grid(count: int) -> tuple[int, int]:
     """(rows, columns) of the figure for `count` panels."""
     columns = min(MAX_COLUMNS, max(count, 1))
@@ -86,7 +101,7 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
         ) from err
 
     output = output_file(output, list(FigureCanvasBase.get_supported_filetypes()))
-    runs = {str(run_dir): read_metrics(find_metrics_file(run_dir)) for run_dir in run_dirs}
+    runs = {str(run_dir): read_run(find_metrics_file(run_dir)) for run_dir in run_dirs}
     metrics = sorted({name for series in runs.values() for name in series})
     if not metrics:
         raise MisconfigurationError(

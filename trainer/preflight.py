@@ -15,6 +15,7 @@ from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import TrainerConfig, dump_yaml, save_run_config
 from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.evaluator import EvaluatorProcess
 from torchyard.trainer.logging import CSVLogger, Logger, TensorBoardLogger
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import (
@@ -72,6 +73,11 @@ def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> 
         callbacks.append(ModelSummary())
     if config.enable_checkpointing and not any(issubclass(k, ModelCheckpoint) for k in kinds):
         callbacks.append(ModelCheckpoint(save_last=True))
+    if config.evaluator is not None:
+        if not config.enable_checkpointing:
+            raise MisconfigurationError("evaluator scores the checkpoints the fit writes, but enable_checkpointing="
+                                        "False writes none; drop one of the two.")
+        callbacks.append(EvaluatorProcess(config.evaluator))
     if config.max_time is not None:
         if any(issubclass(k, Timer) for k in kinds):  # Lightning ignores max_time then, with a warning
             raise MisconfigurationError("max_time and a Timer callback both time the run; give the budget to one of "
