@@ -11,6 +11,7 @@ schema names (precisions, lr scalings, ...) are defined here; the modules that a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,6 +35,7 @@ UNSUPPORTED_PRECISIONS = {
 CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
+LAUNCHERS = ("auto", "ray")
 
 
 def _opt(default: Any, help: str, shown_type: str | None = None) -> Any:
@@ -124,6 +126,15 @@ class TrainerConfig:
         "(saves one host sync per step on GPU).",
     )
     inference_mode: bool = _opt(True, "Evaluate under torch.inference_mode (else no_grad).")
+    launcher: str = _opt(
+        "auto",
+        "Who starts a job's processes when no launcher (torchrun, srun, mpirun) did: 'auto', torch's elastic agent "
+        "in this process; 'ray', Ray actors on the cluster at ray_address (needs torchyard[ray]; docs/ray.md).",
+    )
+    ray_address: Any = _opt(
+        None, "launcher='ray': the cluster's 'host:port' (or 'auto'); unset: RAY_ADDRESS, else a new local cluster.",
+        shown_type="str",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -238,6 +249,7 @@ def validate(config: TrainerConfig) -> None:
     _validate_counts(config)
     _validate_choices(config)
     _validate_limits(config)
+    _validate_launcher(config)
 
 
 def _validate_counts(config: TrainerConfig) -> None:
@@ -281,6 +293,17 @@ def _validate_choices(config: TrainerConfig) -> None:
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
         known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
+
+
+def _validate_launcher(config: TrainerConfig) -> None:
+    _need(config.launcher in LAUNCHERS,
+          f"launcher={config.launcher!r} is not known; use one of {', '.join(LAUNCHERS)}.")
+    _need(config.ray_address is None or (isinstance(config.ray_address, str) and config.ray_address.strip() != ""),
+          f"ray_address={config.ray_address!r} must be a 'host:port' string or unset.")
+    _need(config.ray_address is None or config.launcher == "ray",
+          f"ray_address={config.ray_address!r} is for launcher='ray', but launcher={config.launcher!r}; set both.")
+    _need(config.launcher != "ray" or importlib.util.find_spec("ray") is not None,
+          "launcher='ray' needs Ray, which is not installed: pip install 'torchyard[ray]'.")
 
 
 def _validate_limits(config: TrainerConfig) -> None:
