@@ -36,6 +36,7 @@ CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or e
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
 LAUNCHERS = ("auto", "ray")
+_RAY_ADDRESS = re.compile(r"^(ray://)?[^\s:/]+:\d+$")  # a head node's GCS (ray start --head), or Ray Client's
 
 
 def _opt(default: Any, help: str, shown_type: str | None = None) -> Any:
@@ -298,8 +299,10 @@ def _validate_choices(config: TrainerConfig) -> None:
 def _validate_launcher(config: TrainerConfig) -> None:
     _need(config.launcher in LAUNCHERS,
           f"launcher={config.launcher!r} is not known; use one of {', '.join(LAUNCHERS)}.")
-    _need(config.ray_address is None or (isinstance(config.ray_address, str) and config.ray_address.strip() != ""),
-          f"ray_address={config.ray_address!r} must be a 'host:port' string or unset.")
+    address = config.ray_address
+    well_formed = isinstance(address, str) and (address in ("auto", "local") or _RAY_ADDRESS.match(address) is not None)
+    _need(address is None or well_formed,
+          f"ray_address={address!r} is not 'host:port' (e.g. 10.0.0.1:6379), 'ray://host:port', 'auto' or unset.")
     _need(config.ray_address is None or config.launcher == "ray",
           f"ray_address={config.ray_address!r} is for launcher='ray', but launcher={config.launcher!r}; set both.")
     _need(config.launcher != "ray" or importlib.util.find_spec("ray") is not None,

@@ -50,14 +50,13 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     """Run `trainer._run(stage, *run_args)` on every rank of the job, each a Ray actor; return the reporting
     rank's outcome (what launcher.adopt takes)."""
     ray = import_ray()
-    # Every rank, and every restarted attempt, writes to one run folder: decide it once, here.
-    for logger in trainer.loggers:
-        _ = logger.version
-    _ = trainer.log_dir
-    payload = _pickle_job(ray, trainer, stage, run_args)
-    started_here = connect(ray, trainer.config.ray_address)
+    started_here = connect(ray, trainer.config.ray_address)  # first: a bad address leaves no run folder behind
     try:
-        return _run_job(ray, trainer, payload)
+        # Every rank, and every restarted attempt, writes to one run folder: decide it once, here.
+        for logger in trainer.loggers:
+            _ = logger.version
+        _ = trainer.log_dir
+        return _run_job(ray, trainer, _pickle_job(ray, trainer, stage, run_args))
     finally:
         if started_here:
             ray.shutdown()  # a local cluster ray.init started goes with it; a cluster it joined stays up
@@ -80,9 +79,7 @@ def connect(ray: Any, address: str | None) -> bool:
 
 def check_reachable(address: str) -> None:
     """A one-line error unless something listens at the Ray address 'host:port' (or 'ray://host:port')."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise MisconfigurationError(f"ray_address={address!r} is not host:port (e.g. 10.0.0.1:6379), 'auto' or unset.")
+    host, _, port = address.removeprefix("ray://").rpartition(":")  # the format is checked in config.py
     try:
         with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
             pass
