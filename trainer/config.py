@@ -36,7 +36,7 @@ CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or e
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
 LAUNCHERS = ("auto", "ray")
-_RAY_ADDRESS = re.compile(r"^(ray://)?[^\s:/]+:\d+$")  # a head node's GCS (ray start --head), or Ray Client's
+_RAY_ADDRESS = re.compile(r"^[^\s:/]+:\d+$")  # the head node's GCS, as `ray start --head` prints it
 
 
 def _opt(default: Any, help: str, shown_type: str | None = None) -> Any:
@@ -133,7 +133,9 @@ class TrainerConfig:
         "in this process; 'ray', Ray actors on the cluster at ray_address (needs torchyard[ray]; docs/ray.md).",
     )
     ray_address: Any = _opt(
-        None, "launcher='ray': the cluster's 'host:port' (or 'auto'); unset: RAY_ADDRESS, else a new local cluster.",
+        None,
+        "launcher='ray': the cluster's 'host:port', 'auto' (RAY_ADDRESS, else a cluster started on this machine) or "
+        "'local' (a new local cluster); unset: 'auto' where there is such a cluster, else 'local'.",
         shown_type="str",
     )
 
@@ -302,7 +304,7 @@ def _validate_launcher(config: TrainerConfig) -> None:
     address = config.ray_address
     well_formed = isinstance(address, str) and (address in ("auto", "local") or _RAY_ADDRESS.match(address) is not None)
     _need(address is None or well_formed,
-          f"ray_address={address!r} is not 'host:port' (e.g. 10.0.0.1:6379), 'ray://host:port', 'auto' or unset.")
+          f"ray_address={address!r} is not 'host:port' (e.g. 10.0.0.1:6379), 'auto', 'local' or unset.")
     _need(config.ray_address is None or config.launcher == "ray",
           f"ray_address={config.ray_address!r} is for launcher='ray', but launcher={config.launcher!r}; set both.")
     _need(config.launcher != "ray" or importlib.util.find_spec("ray") is not None,

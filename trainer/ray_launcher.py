@@ -78,8 +78,8 @@ def connect(ray: Any, address: str | None) -> bool:
 
 
 def check_reachable(address: str) -> None:
-    """A one-line error unless something listens at the Ray address 'host:port' (or 'ray://host:port')."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")  # the format is checked in config.py
+    """A one-line error unless something listens at the Ray address 'host:port' (its format checked in config.py)."""
+    host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
             pass

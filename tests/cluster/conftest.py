@@ -90,6 +90,11 @@ def slurm_jobs(slurm: Slurm):
 # --------------------------------------------------------------------------- Ray
 
 
+#: For the cluster's processes: no usage report, and no token authentication (seen with Ray 2.60: once a local
+#: `ray.init()` had written ~/.ray/auth_token, a second node joining a fresh head failed with InvalidAuthToken).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
 @dataclass(frozen=True)
 class RayCluster:
     """Two Ray nodes on this machine, one CPU each: a job's two ranks (one CPU each) land one on each node."""
@@ -100,7 +105,7 @@ class RayCluster:
 
 def _ray_start(*args: str, temp_dir: Path) -> subprocess.Popen:
     ray = Path(sys.executable).with_name("ray")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([str(ray), "start", "--num-cpus=1", "--disable-usage-stats", *args], text=True, env=env,
                             cwd=temp_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -111,7 +116,7 @@ def _wait_for_nodes(address: str, count: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         shown = subprocess.run([str(ray), "status", f"--address={address}"], capture_output=True, text=True,
-                               timeout=timeout)
+                               timeout=timeout, env={**os.environ, **RAY_ENV})
         active = shown.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
         if shown.returncode == 0 and active.count(" node_") >= count:
             return True

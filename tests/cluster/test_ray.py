@@ -120,3 +120,29 @@ def test_the_recipe_keys_reach_the_launcher_and_a_bad_address_is_one_line_exit_2
 def test_launcher_options_that_do_not_fit_are_refused_by_the_trainer(options, message):
     with pytest.raises(MisconfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Trainer(**options)
+
+
+def fit_on_gpus(root: Path, **options) -> dict[str, torch.Tensor]:
+    """fault_script's run on every GPU of this machine (its own fit() fixes accelerator="cpu")."""
+    torch.manual_seed(0)
+    module = Net()
+    Trainer(strategy="ddp", devices=torch.cuda.device_count(), accelerator="cuda", max_epochs=2, seed=7,
+            deterministic=True, num_sanity_val_steps=0, default_root_dir=str(root), enable_progress_bar=False,
+            enable_model_summary=False, **options).fit(module, *loaders())
+    return {key: value.cpu() for key, value in module.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ranks_on_gpus_through_a_local_ray_cluster_match_the_self_launch(tmp_path, capfd):
+    """A rank per GPU of this machine (nccl): Ray's GPU bundles and CUDA_VISIBLE_DEVICES per node, on a new local
+    cluster ("local"), which ends with the job."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    reference = fit_on_gpus(tmp_path / "self")
+    through_ray = fit_on_gpus(tmp_path / "ray", launcher="ray", ray_address="local")
+    gpus = torch.cuda.device_count()
+    assert f"trainer: {gpus} ranks as Ray actors on 1 node(s)" in capfd.readouterr().err
+    assert not ray.is_initialized()
+    for key in reference:
+        assert torch.equal(through_ray[key], reference[key]), f"{key} differs from the self-launched run"
