@@ -95,12 +95,48 @@ def slurm_jobs(slurm: Slurm):
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
-@dataclass(frozen=True)
 class RayCluster:
-    """Two Ray nodes on this machine, one CPU each: a job's two ranks (one CPU each) land one on each node."""
+    """Two Ray nodes on this machine, one CPU each: a job's two ranks (one CPU each) land one on each node.
+    Started in the background: a test first asks for what else it needs (a reference run), then for `address`."""
 
-    address: str
-    temp_dir: Path
+    def __init__(self, temp_dir: Path, port: int) -> None:
+        self.temp_dir, self.port = temp_dir, port
+        # Both at once: the second node waits for the head's GCS to answer, which saves one start-up's time.
+        self._starts = [
+            _ray_start("--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+                       temp_dir=temp_dir),
+            _ray_start(f"--address=127.0.0.1:{port}", temp_dir=temp_dir),
+        ]
+        self._failure: str | None = None
+
+    @property
+    def address(self) -> str:
+        """The head's address once both nodes are up; skips the test, saying why, where they did not start."""
+        if self._starts:
+            self._failure = self._wait()
+            self._starts = []
+        if self._failure is not None:
+            pytest.skip(f"Ray could not be started: {self._failure}")
+        return f"127.0.0.1:{self.port}"
+
+    def _wait(self) -> str | None:
+        try:
+            outputs = [start.communicate(timeout=300)[0] for start in self._starts]
+        except subprocess.TimeoutExpired:
+            return "`ray start` took over 300 s"
+        failed = [output for start, output in zip(self._starts, outputs) if start.returncode != 0]
+        if failed:
+            return (failed[0].strip().splitlines() or ["?"])[-1]
+        if not _wait_for_nodes(f"127.0.0.1:{self.port}", 2, timeout=60):
+            return "the second node did not join the head within 60 s"
+        return None
+
+    def stop(self) -> None:
+        """End the `ray start` commands still running, then the cluster's processes."""
+        for start in self._starts:
+            start.kill()
+            start.wait()
+        _stop_ray_cluster(self.temp_dir)
 
 
 def _ray_start(*args: str, temp_dir: Path) -> subprocess.Popen:
@@ -160,32 +196,16 @@ def _stop_ray_cluster(temp_dir: Path) -> None:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """`ray start --head` and a second `ray start --address` once per session, stopped at its end; skipped, saying
-    why, where Ray is not installed or does not start."""
+    """`ray start --head` and a second `ray start --address` once per session, stopped at its end; a test that reads
+    its address is skipped, saying why, where Ray is not installed or does not start."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
     # Short and under /tmp: Ray's socket paths must stay under the 107-byte limit of a Unix socket name.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     with socket.socket() as sock:  # Ray's worker processes take ports 10002-19999; the OS picks above them
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    address = f"127.0.0.1:{port}"
-    # Both at once: the second node waits for the head's GCS to answer, which saves one start-up's time.
-    starts = [_ray_start("--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
-                         temp_dir=temp_dir), _ray_start(f"--address={address}", temp_dir=temp_dir)]
+    cluster = RayCluster(temp_dir, port)
     try:
-        outputs = [start.communicate(timeout=300)[0] for start in starts]
-    except subprocess.TimeoutExpired:
-        for start in starts:
-            start.kill()
-            start.wait()
-        outputs = ["`ray start` took over 300 s"] * 2
-    failed = [output for start, output in zip(starts, outputs) if start.returncode != 0]
-    if not failed and not _wait_for_nodes(address, 2, timeout=60):
-        failed = ["the second node did not join the head within 60 s"]
-    if failed:
-        _stop_ray_cluster(temp_dir)
-        pytest.skip(f"Ray could not be started: {(failed[0].strip().splitlines() or ['?'])[-1]}")
-    try:
-        yield RayCluster(address, temp_dir)
+        yield cluster
     finally:
-        _stop_ray_cluster(temp_dir)
+        cluster.stop()
