@@ -10,6 +10,7 @@ rank again, resuming from the run's newest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -137,6 +138,8 @@ class RayWorker:
             return {"failure": {"rank": self.rank, "terminated": stopped.code, "time": time.time()}}
         except BaseException as err:  # noqa: BLE001 - every failure must reach the launching process
             return {"failure": failure_record(self.rank, err, log_path)}
+        if log_path is not None:  # kept only where a failure names it, as the self-launch keeps its output
+            _remove_log(log_path)
         return outcome if "state" in outcome or environment.global_rank == 0 else {"result": None}
 
 
@@ -148,6 +151,16 @@ def _redirect_output(path: str) -> None:
     with open(path, "ab") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+
+
+def _remove_log(path: str) -> None:
+    """Remove a rank's log file, and its attempt's and job's folders once empty."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))
+        os.rmdir(os.path.dirname(os.path.dirname(path)))
 
 
 def failure_record(rank: int, err: BaseException, log_path: str | None) -> dict[str, Any]:
