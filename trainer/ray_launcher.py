@@ -286,7 +286,8 @@ def _run_attempt(ray: Any, placement: _Placement, payload: bytes, attempt_of_run
         places = ray.get([actor.where.remote() for actor in actors])
         logs = os.path.join(tempfile.gettempdir(), run_id, f"attempt{attempt}")
         if attempt == 0:
-            print(f"trainer: {len(actors)} ranks as Ray actors on {len(placement.node_order)} node(s), rank 0 at "
+            ranks = f"{len(actors)} rank{'s' if len(actors) != 1 else ''}"
+            print(f"trainer: {ranks} as Ray actors on {len(placement.node_order)} node(s), rank 0 at "
                   f"{places[0]['ip']}; the other ranks' output: {os.path.dirname(logs)} on their nodes.",
                   file=sys.stderr, flush=True)
         refs = {
