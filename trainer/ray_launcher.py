@@ -207,17 +207,19 @@ def _run_job(ray: Any, trainer: Trainer, payload: bytes) -> dict[str, Any]:
     strategy, max_restarts = trainer.strategy, trainer.config.max_restarts
     placement = _reserve(ray, strategy.job_size, strategy.accelerator == "cuda", float(trainer.config.timeout))
     run_id = f"trainer-ray-{uuid.uuid4().hex[:12]}"
+    attempt = 0
     try:
-        for attempt in range(max_restarts + 1):
+        while True:
             outcomes, failure = _run_attempt(ray, placement, payload, (attempt, run_id), strategy.reporting_rank)
             if failure is None:
                 return outcomes.get(strategy.reporting_rank) or next(iter(outcomes.values()), {"result": None})
             error = _job_failure(failure, len(placement.bundle_of_rank), strategy.reporting_rank)
+            # A stop asked for (SIGTERM) or a misconfiguration would end a restarted attempt the same way.
             if attempt == max_restarts or isinstance(error, (faults.Terminated, MisconfigurationError)):
                 raise error
-            print(f"trainer: {_first_line(error)} Restarting every rank ({attempt + 1} of {max_restarts}).",
+            attempt += 1
+            print(f"trainer: {_first_line(error)} Restarting every rank ({attempt} of {max_restarts}).",
                   file=sys.stderr, flush=True)
-        raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
         ray.util.remove_placement_group(placement.group)
 
