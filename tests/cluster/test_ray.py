@@ -153,3 +153,26 @@ def test_ranks_on_gpus_through_a_local_ray_cluster_match_the_self_launch(tmp_pat
     assert not ray.is_initialized()
     for key in reference:
         assert torch.equal(through_ray[key], reference[key]), f"{key} differs from the self-launched run"
+
+
+def test_a_ranks_failure_is_raised_in_the_caller_as_the_rank_raised_it():
+    """What ends the job when no restart is left: the record a rank's actor returns, turned into the exception raised
+    in the calling script (the two-node test above sees the same error announced before its restart)."""
+    from torchyard.trainer import ray_launcher
+
+    try:
+        raise ValueError("batch 3 has no labels")
+    except ValueError as err:
+        record = ray_launcher.failure_record(1, err, "/tmp/trainer-ray-x/attempt0/rank1.log")
+    error = ray_launcher._job_failure(record, 2, shown_rank=0)
+    assert type(error) is ValueError and str(error) == "batch 3 has no labels"
+    assert error.__notes__ == ["(raised on rank 1 of 2; the other ranks were stopped. Its output: "
+                               "/tmp/trainer-ray-x/attempt0/rank1.log on its node.)"]
+    assert "raise ValueError(\"batch 3 has no labels\")" in str(error.__cause__)  # the rank's traceback
+    died = {"rank": 1, "died": "The actor died unexpectedly before finishing this task.", "ip": "10.0.0.2",
+            "node": "c3a8d8c38e0f55685a0e", "time": 0.0}
+    assert str(ray_launcher._job_failure(died, 2, shown_rank=0)) == (
+        "rank 1 of 2 died on Ray node 10.0.0.2 (c3a8d8c3: killed by a signal, out of memory, or its node left), so "
+        "the job was stopped. Ray: The actor died unexpectedly before finishing this task.")
+    config_error = ray_launcher.failure_record(1, MisconfigurationError("devices=3 but 2 GPUs"), None)
+    assert str(ray_launcher._job_failure(config_error, 2, shown_rank=0)) == "devices=3 but 2 GPUs (raised on rank 1)"
