@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -26,3 +27,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("timeout") is not None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory) -> tuple[dict, Path]:
+    """tests/faults/fault_script.py's uninterrupted ddp run on 2 processes the Trainer starts itself: its final
+    weights and its root folder. Once per session: the fault tests and the Ray launcher's compare with it."""
+    from faults.fault_script import fit  # the tests' shared script, imported only by the tests that use it
+
+    root = tmp_path_factory.mktemp("ddp_reference")
+    return fit(root, "ddp").state_dict(), root

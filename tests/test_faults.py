@@ -109,11 +109,10 @@ def single_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    """The uninterrupted 2-process ddp run, started from this process."""
-    root = tmp_path_factory.mktemp("ddp_reference")
-    module = fit(root, "ddp")
-    return module.state_dict(), metrics_rows(root)
+def ddp_run(ddp_reference):
+    """The uninterrupted 2-process ddp run, started from this process (conftest.py: shared with the Ray tests)."""
+    weights, root = ddp_reference
+    return weights, metrics_rows(root)
 
 
 @pytest.fixture(scope="module")

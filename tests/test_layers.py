@@ -56,7 +56,7 @@ LAYERS: dict[str, int] = {
     C: 15,
     # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
-    f"{T}.preflight": 16, f"{T}.launcher": 16, f"{T}.trainer_properties": 16,
+    f"{T}.preflight": 16, f"{T}.launcher": 16, f"{T}.ray_launcher": 16, f"{T}.trainer_properties": 16,
     # 17: the Trainer
     f"{T}.trainer": 17,
     # 18: the package's public names (lazily), recipe class checks, plots of finished runs
@@ -70,6 +70,7 @@ STOP_REASON = "the end-of-run line names why the run stopped, which the stopping
 SAME_LAYER: dict[tuple[str, str], str] = {
     (f"{C}.summary", f"{C}.early_stopping"): STOP_REASON,
     (f"{C}.summary", f"{C}.timer"): STOP_REASON,
+    (f"{T}.ray_launcher", f"{T}.launcher"): "a Ray worker's failure is raised as a self-launched one's",
 }
 
 CLI_REASON = "the CLI imports the framework (and with it torch) inside a command, so that `trainer --help` is fast"
@@ -85,6 +86,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.hosts", f"{T}.recipe"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launcher"): "torch's elastic agent takes 150 ms to import; only a started job needs it",
     (f"{T}.cli", f"{T}.evaluator"): CLI_REASON,
+    (f"{T}.trainer", f"{T}.ray_launcher"): "it imports the elastic agent's launcher; only launcher='ray' needs it",
 }
 
 MAX_FUNCTION_LINES = 60

@@ -11,6 +11,7 @@ schema names (precisions, lr scalings, ...) are defined here; the modules that a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ UNSUPPORTED_PRECISIONS = {
 CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
+LAUNCHERS = ("auto", "ray")
+_RAY_ADDRESS = re.compile(r"^[^\s:/]+:\d+$")  # the head node's GCS, as `ray start --head` prints it
 
 
 def _opt(default: Any, help: str, shown_type: str | None = None) -> Any:
@@ -129,6 +132,17 @@ class TrainerConfig:
         None,
         "Score each checkpoint in a side process instead of (or beside) in-loop validation: true, or "
         "{accelerator, device, every_n, poll_interval, limit_val_batches} (docs/evaluator.md); unset: none.",
+    )
+    launcher: str = _opt(
+        "auto",
+        "Who starts a job's processes when no launcher (torchrun, srun, mpirun) did: 'auto', torch's elastic agent "
+        "in this process; 'ray', Ray actors on the cluster at ray_address (needs torchyard[ray]; docs/ray.md).",
+    )
+    ray_address: Any = _opt(
+        None,
+        "launcher='ray': the cluster's 'host:port', 'auto' (RAY_ADDRESS, else a cluster started on this machine) or "
+        "'local' (a new local cluster); unset: 'auto' where there is such a cluster, else 'local'.",
+        shown_type="str",
     )
 
     def __post_init__(self) -> None:
@@ -297,6 +311,7 @@ def validate(config: TrainerConfig) -> None:
     _validate_choices(config)
     _validate_limits(config)
     config.evaluator = evaluator_config(config.evaluator)
+    _validate_launcher(config)
 
 
 def _validate_counts(config: TrainerConfig) -> None:
@@ -340,6 +355,19 @@ def _validate_choices(config: TrainerConfig) -> None:
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
         known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
+
+
+def _validate_launcher(config: TrainerConfig) -> None:
+    _need(config.launcher in LAUNCHERS,
+          f"launcher={config.launcher!r} is not known; use one of {', '.join(LAUNCHERS)}.")
+    address = config.ray_address
+    well_formed = isinstance(address, str) and (address in ("auto", "local") or _RAY_ADDRESS.match(address) is not None)
+    _need(address is None or well_formed,
+          f"ray_address={address!r} is not 'host:port' (e.g. 10.0.0.1:6379), 'auto', 'local' or unset.")
+    _need(config.ray_address is None or config.launcher == "ray",
+          f"ray_address={config.ray_address!r} is for launcher='ray', but launcher={config.launcher!r}; set both.")
+    _need(config.launcher != "ray" or importlib.util.find_spec("ray") is not None,
+          "launcher='ray' needs Ray, which is not installed: pip install 'torchyard[ray]'.")
 
 
 def _validate_limits(config: TrainerConfig) -> None:

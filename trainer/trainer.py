@@ -156,11 +156,13 @@ class Trainer(TrainerProperties):
         # After ckpt_path was resolved: "best" means the best of the callbacks that ran before, as in Lightning.
         self._attach_module_callbacks(module)
         environment = self.strategy.detect_environment()
-        if self.strategy.job_size > 1 and not environment.launched:
+        on_ray = self.config.launcher == "ray"  # Ray starts even one process: on the cluster, not here
+        if (self.strategy.job_size > 1 or on_ray) and not environment.launched:
             # Imported here: torch's elastic agent takes 150 ms to import, needed only to start processes.
-            from torchyard.trainer import launcher
+            from torchyard.trainer import launcher, ray_launcher
 
-            outcome = launcher.launch(self, stage, module, datamodule, ckpt, *loaders)
+            start = ray_launcher.launch if on_ray else launcher.launch
+            outcome = start(self, stage, module, datamodule, ckpt, *loaders)
             # As after a stage run here, test() may follow fit() on the same module and datamodule.
             self.stage, self.module, self.datamodule = stage, module, datamodule
             if datamodule is not None:

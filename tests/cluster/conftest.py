@@ -4,8 +4,14 @@ and an sshd with a test key (sshd.sh, `sshd`) for `trainer launch --hosts`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
+import socket
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,3 +107,125 @@ def sshd() -> Iterator[str]:
     yield values["SSH_CONFIG"]
     if done.stdout.split()[-1] == "started":
         subprocess.run(["bash", str(SSHD_SCRIPT), "stop"], capture_output=True, timeout=60, check=False)
+# --------------------------------------------------------------------------- Ray
+
+
+#: For the cluster's processes: no usage report, and no token authentication (seen with Ray 2.60: once a local
+#: `ray.init()` had written ~/.ray/auth_token, a second node joining a fresh head failed with InvalidAuthToken).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+class RayCluster:
+    """Two Ray nodes on this machine, one CPU each: a job's two ranks (one CPU each) land one on each node.
+    Started in the background: a test first asks for what else it needs (a reference run), then for `address`."""
+
+    def __init__(self, temp_dir: Path, port: int) -> None:
+        self.temp_dir, self.port = temp_dir, port
+        # Both at once: the second node waits for the head's GCS to answer, which saves one start-up's time.
+        self._starts = [
+            _ray_start("--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+                       temp_dir=temp_dir),
+            _ray_start(f"--address=127.0.0.1:{port}", temp_dir=temp_dir),
+        ]
+        self._failure: str | None = None
+
+    @property
+    def address(self) -> str:
+        """The head's address once both nodes are up; skips the test, saying why, where they did not start."""
+        if self._starts:
+            self._failure = self._wait()
+            self._starts = []
+        if self._failure is not None:
+            pytest.skip(f"Ray could not be started: {self._failure}")
+        return f"127.0.0.1:{self.port}"
+
+    def _wait(self) -> str | None:
+        try:
+            outputs = [start.communicate(timeout=300)[0] for start in self._starts]
+        except subprocess.TimeoutExpired:
+            return "`ray start` took over 300 s"
+        failed = [output for start, output in zip(self._starts, outputs) if start.returncode != 0]
+        if failed:
+            return (failed[0].strip().splitlines() or ["?"])[-1]
+        if not _wait_for_nodes(f"127.0.0.1:{self.port}", 2, timeout=60):
+            return "the second node did not join the head within 60 s"
+        return None
+
+    def stop(self) -> None:
+        """End the `ray start` commands still running, then the cluster's processes."""
+        for start in self._starts:
+            start.kill()
+            start.wait()
+        _stop_ray_cluster(self.temp_dir)
+
+
+def _ray_start(*args: str, temp_dir: Path) -> subprocess.Popen:
+    ray = Path(sys.executable).with_name("ray")
+    env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([str(ray), "start", "--num-cpus=1", "--disable-usage-stats", *args], text=True, env=env,
+                            cwd=temp_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _wait_for_nodes(address: str, count: int, timeout: float) -> bool:
+    """True once `ray status` lists `count` active nodes (a node that `ray start` reported may register later)."""
+    ray = Path(sys.executable).with_name("ray")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = subprocess.run([str(ray), "status", f"--address={address}"], capture_output=True, text=True,
+                               timeout=timeout, env={**os.environ, **RAY_ENV})
+        active = shown.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
+        if shown.returncode == 0 and active.count(" node_") >= count:
+            return True
+        time.sleep(1)
+    return False
+
+
+def _cluster_processes(temp_dir: Path) -> list[int]:
+    """The processes of the cluster under `temp_dir` (its daemons name their session folder) and their children."""
+    parents: dict[int, int] = {}
+    ours = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if str(temp_dir) in cmdline and int(proc.name) != os.getpid():
+            ours.add(int(proc.name))
+    grown = True
+    while grown:  # workers and agents are the raylets' children, with process titles that name no folder
+        children = {pid for pid, parent in parents.items() if parent in ours} - ours
+        ours |= children
+        grown = bool(children)
+    return sorted(ours)
+
+
+def _stop_ray_cluster(temp_dir: Path) -> None:
+    """End this cluster's processes only, by their ids (`ray stop` would end every Ray on the machine); SIGKILL at
+    once, as `ray stop --force` does: a test cluster holds nothing to save."""
+    deadline = time.monotonic() + 10
+    while (pids := _cluster_processes(temp_dir)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """`ray start --head` and a second `ray start --address` once per session, stopped at its end; a test that reads
+    its address is skipped, saying why, where Ray is not installed or does not start."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    # Short and under /tmp: Ray's socket paths must stay under the 107-byte limit of a Unix socket name.
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    with socket.socket() as sock:  # Ray's worker processes take ports 10002-19999; the OS picks above them
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cluster = RayCluster(temp_dir, port)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
