@@ -172,10 +172,47 @@ def option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainerConfig)]
 
 
+#: Lightning 1.x Trainer options that Lightning 2 removed, with their 2.x spelling (which ported code should use).
+REMOVED_OPTIONS = {
+    "gpus": "accelerator='gpu', devices=N",
+    "tpu_cores": "accelerator='tpu', devices=N (TPUs are not supported here)",
+    "ipus": "accelerator='ipu', devices=N (IPUs are not supported here)",
+    "num_processes": "devices=N (with strategy='ddp')",
+    "auto_select_gpus": "devices='auto'",
+    "progress_bar_refresh_rate": "callbacks=[TQDMProgressBar(refresh_rate=N)], or enable_progress_bar=False",
+    "weights_summary": "enable_model_summary, or callbacks=[ModelSummary(max_depth=N)]",
+    "checkpoint_callback": "enable_checkpointing",
+    "resume_from_checkpoint": "trainer.fit(model, ckpt_path=...)",
+    "flush_logs_every_n_steps": "the logger's own flush setting (CSVLogger(flush_logs_every_n_steps=N))",
+    "stochastic_weight_avg": "callbacks=[StochasticWeightAveraging(...)]",
+    "terminate_on_nan": "detect_anomaly=True, or nonfinite_loss='error' (the default here)",
+    "auto_lr_find": "Tuner(trainer).lr_find(model)",
+    "auto_scale_batch_size": "Tuner(trainer).scale_batch_size(model)",
+    "track_grad_norm": "logging torch.nn.utils.get_total_norm of the gradients in on_before_optimizer_step",
+    "replace_sampler_ddp": "use_distributed_sampler",
+    "multiple_trainloader_mode": "CombinedLoader(loaders, mode=...) as the train_dataloaders",
+    "reload_dataloaders_every_epoch": "reload_dataloaders_every_n_epochs=1",
+    "distributed_backend": "strategy",
+    "amp_backend": "precision='16-mixed' (torch.amp is the only backend)",
+    "amp_level": "precision='16-mixed' (torch.amp is the only backend)",
+    "move_metrics_to_cpu": "nothing (remove it; logged values are kept on their device)",
+    "log_gpu_memory": "callbacks=[DeviceStatsMonitor()]",
+    "process_position": "callbacks=[TQDMProgressBar(process_position=N)]",
+    "prepare_data_per_node": "the DataModule attribute prepare_data_per_node",
+    "truncated_bptt_steps": "manual optimization that splits the sequence in training_step",
+    "weights_save_path": "default_root_dir, or ModelCheckpoint(dirpath=...)",
+}
+
+
 def make_config(options: dict[str, Any]) -> TrainerConfig:
-    """TrainerConfig from keyword options; an unknown key names the closest valid ones."""
+    """TrainerConfig from keyword options; an unknown key names the closest valid ones, a Lightning 1.x option
+    its 2.x spelling."""
     names = option_names()
     for key in options:
+        if key in REMOVED_OPTIONS:
+            raise MisconfigurationError(
+                f"trainer option {key!r} was removed in Lightning 2.0; use {REMOVED_OPTIONS[key]} instead."
+            )
         if key not in names:
             raise MisconfigurationError(f"unknown trainer option {key!r}{closest(key, names)}.")
     return TrainerConfig(**options)

@@ -22,6 +22,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from torchyard.trainer.combined import TRAINING_MODES, CombinedLoader, as_loader, is_loader
 from torchyard.trainer.environment import usable_cores
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule, overridden
@@ -292,8 +293,11 @@ def prepare_loader(
     return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
 
 
-def set_epoch(loader: DataLoader, epoch: int) -> None:
+def set_epoch(loader: DataLoader | CombinedLoader, epoch: int) -> None:
     """Reseed the loader's order (and, where the trainer owns it, its worker-seed generator) for `epoch`."""
+    if isinstance(loader, CombinedLoader):
+        loader.set_epoch(epoch, set_epoch)
+        return
     seed = getattr(loader.batch_sampler, "generator_seed", None)
     if seed is not None and loader.generator is not None:
         loader.generator.manual_seed(seed + epoch)
@@ -305,7 +309,7 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
 
 def skip_batches(loader: DataLoader, count: int) -> bool:
     """Make the next pass over `loader` start at batch `count`; False when the loader cannot skip cheaply."""
-    if isinstance(loader.batch_sampler, ResumableBatchSampler):
+    if isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
         loader.batch_sampler.skip = count
         return True
     return count == 0
@@ -379,14 +383,34 @@ def _timed_head(batches: Iterator[Any], window: int, report: Callable[[float, fl
 
 
 def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
-    """Normalise None / a loader / a list of loaders to a list, with a clear error for anything else."""
+    """None / a loader / a list or dict of loaders / a sequential CombinedLoader / an iterable of batches as a list
+    of loaders, with a clear error for anything else."""
     if loaders is None:
         return []
-    if isinstance(loaders, DataLoader):
-        return [loaders]
-    if isinstance(loaders, (list, tuple)) and all(isinstance(item, DataLoader) for item in loaders):
-        return list(loaders)
-    raise MisconfigurationError(f"{what} must be a DataLoader or a list of them, got {type(loaders).__name__}.")
+    if isinstance(loaders, CombinedLoader):
+        if loaders.mode != "sequential":
+            raise MisconfigurationError(f"{what}: a CombinedLoader here must use mode='sequential' (each loader "
+                                        f"evaluated on its own), not {loaders.mode!r}.")
+        return [as_loader(loader, what) for loader in loaders.flattened]
+    several = list(loaders.values()) if isinstance(loaders, Mapping) else loaders
+    if isinstance(several, (list, tuple)) and several and all(is_loader(item) for item in several):
+        return [as_loader(item, what) for item in several]
+    return [as_loader(loaders, what)]
+
+
+def training_loader(loaders: Any) -> DataLoader | CombinedLoader:
+    """fit's training data as one loader: a list or dict of loaders read together as Lightning reads them
+    (CombinedLoader, mode 'max_size_cycle'), anything else as `as_loader` takes it."""
+    what = "train_dataloaders"
+    if isinstance(loaders, CombinedLoader):
+        if loaders.mode not in TRAINING_MODES:
+            raise MisconfigurationError(f"fit does not take a CombinedLoader with mode={loaders.mode!r} (as in "
+                                        f"Lightning); use one of {', '.join(TRAINING_MODES)}.")
+        return loaders.map(lambda loader: as_loader(loader, what))
+    several = list(loaders.values()) if isinstance(loaders, Mapping) else loaders
+    if isinstance(several, (list, tuple)) and several and all(is_loader(item) for item in several):
+        return CombinedLoader(loaders, "max_size_cycle")
+    return as_loader(loaders, what)
 
 
 STAGE_LOADERS = {
@@ -435,6 +459,13 @@ def stage_loaders(
     return build_loaders(strategy, stage, module, datamodule, loaders, seed)
 
 
+def prepare_for_rank(strategy: Strategy, loader: Any, train: bool, seed: int) -> Any:
+    """`loader` (each of a CombinedLoader's) as `strategy` shards it for this rank."""
+    if isinstance(loader, CombinedLoader):
+        return loader.map(lambda each: strategy.prepare_loader(each, train, seed))
+    return strategy.prepare_loader(loader, train, seed)
+
+
 def build_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodule: DataModule | None,
                   loaders: tuple[Any, ...], seed: int) -> list[DataLoader]:
     """The stage's loaders (for fit: training first), from `loaders`, else the datamodule's hooks, else the
@@ -447,14 +478,14 @@ def build_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodul
         loaders = tuple(loader if loader is not None or hook is None else hook()
                         for loader, hook in itertools.zip_longest(loaders, hooks))
     if stage == "fit":
-        train = as_loader_list(loaders[0], "train_dataloaders")
-        if len(train) != 1:
-            raise MisconfigurationError("fit takes exactly one training DataLoader.")
+        if loaders[0] is None:
+            raise MisconfigurationError("fit needs training data: train_dataloaders, a datamodule's or the module's "
+                                        "train_dataloader().")
         val = as_loader_list(loaders[1] if len(loaders) > 1 else None, "val_dataloaders")
-        named = [("training", train[0])] + [("validation", v) for v in val]
+        named = [("training", training_loader(loaders[0]))] + [("validation", v) for v in val]
     else:
         named = [(_LOADER_NAMES[stage], loader) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
-    prepared = [strategy.prepare_loader(loader, what == "training", seed) for what, loader in named]
+    prepared = [prepare_for_rank(strategy, loader, what == "training", seed) for what, loader in named]
     for (what, _), loader in zip(named, prepared) if strategy.is_global_zero else ():
         warning = worker_oversubscription(loader, what, strategy.environment.local_world_size)
         if warning is not None:

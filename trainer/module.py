@@ -318,6 +318,11 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         return torch.device("cpu")
 
     @property
+    def on_gpu(self) -> bool:
+        """Whether the module's parameters are on a GPU."""
+        return self.device.type == "cuda"
+
+    @property
     def global_rank(self) -> int:
         """This process's rank in the whole job (0 without a trainer)."""
         return self._trainer.global_rank if self._trainer is not None else 0

@@ -21,6 +21,7 @@ from torchyard.trainer.optim import (
     LRScaler,
     SchedulerConfig,
     check_closure_optimizer,
+    check_monitors,
     is_torch_scheduler,
     parse_optimizers,
 )
@@ -221,6 +222,7 @@ def build_optimizers(trainer: Trainer, module: TrainModule) -> tuple[list[Optimi
             f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it, as in Lightning.")
     if module.automatic_optimization:
         check_closure_optimizer(optimizers, config.accumulate_grad_batches, config.precision)
+        check_monitors(schedulers)
     optimizers = strategy.setup_optimizers(optimizers)
     workers = strategy.data_parallel_size * config.accumulate_grad_batches
     lr_scaler = LRScaler(config.lr_scaling, workers, config.lr_warmup_steps)

@@ -91,7 +91,7 @@ class TrainStep:
             self.rows.publish_step(self.metrics.take_step_values())
         else:  # the hooks see this step's values, and the step's row also holds what they log
             self.rows.publish_step(self.metrics.take_step_values(), write=False)
-            self.on_train_batch_end(outputs, batch, batch_idx)
+            self.on_train_batch_end(batch_end_outputs(outputs), batch, batch_idx)
             self.rows.publish_step(self.metrics.take_step_values())
 
     def _skipped_batch(self, batch_idx: int, is_last: bool) -> None:
@@ -193,6 +193,16 @@ class TrainStep:
         loss = step_loss(outputs).detach()
         self.guard.check_reevaluated(loss, batch_idx)
         return outputs, loss
+
+
+def batch_end_outputs(outputs: Any) -> Any:
+    """training_step's output as on_train_batch_end gets it in Lightning: a dict whose "loss" is detached (a loss
+    returned alone becomes {"loss": ...}), so that a hook keeping it keeps no graph."""
+    if isinstance(outputs, torch.Tensor):
+        return {"loss": outputs.detach()}
+    if isinstance(outputs, dict) and isinstance(outputs.get("loss"), torch.Tensor):
+        return {**outputs, "loss": outputs["loss"].detach()}
+    return outputs
 
 
 class StepClosure:

@@ -60,7 +60,8 @@ class Trainer(TrainerProperties):
                  **options: Any) -> None:
         self.config: TrainerConfig = apply_fast_dev_run(make_config(options))
         # Validated here, in the calling process, before any worker starts.
-        self.strategy: Strategy = build_strategy(self.config.strategy)
+        self.strategy: Strategy = build_strategy(self.config.strategy,
+                                                 self.config.devices * self.config.num_nodes)
         self.strategy.configure(
             self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision
         )

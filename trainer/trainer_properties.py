@@ -40,6 +40,7 @@ class TrainerProperties:
     predict_dataloaders = _loop_field("predict_dataloaders", "During predict: this rank's loaders.")
     predict_batch_indices = _loop_field("predict_batch_indices", "During predict: the dataset indices of the batch.")
     data_wait = _loop_field("data_wait", "(share of the time, seconds a batch) the fit waited for training batches.")
+    is_last_batch = _loop_field("is_last_batch", "Whether the training batch being run is the last of its epoch.")
     progress = _loop_field("progress", "Where the run stands (Progress): epoch, steps, batches of the epoch.")
 
     @property
