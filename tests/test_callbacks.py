@@ -542,7 +542,7 @@ def test_early_stopping_stops_on_a_non_finite_value(tmp_path, capsys):
     module = Scripted([1.0, 0.8, math.nan, 0.5])
     make_trainer(tmp_path, [stopper], max_epochs=4).fit(module, *loaders())
     assert stopper.stopped_epoch == 2 and module.validations == 3
-    assert "not finite" in stopper.stopping_reason
+    assert "not finite" in stopper.stopping_reason_message
     assert "not finite" in capsys.readouterr().out
 
 

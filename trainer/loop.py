@@ -102,6 +102,9 @@ class FitEpochs:
     def start_epoch(self) -> None:
         """Reload the loaders where due, skip the batches a resumed epoch trained already, on_train_epoch_start."""
         self._reload_loaders_if_due()
+        if self.module.automatic_optimization:  # a GradientAccumulationScheduler may change it from epoch to epoch
+            self.window = self.trainer.accumulate_grad_batches
+            self.train_step.set_accumulation(self.window)
         self.module.train()
         set_epoch(self.train_loader, self.progress.epoch)
         self._skip_trained_batches()

@@ -305,6 +305,10 @@ class ManualOptimizer:
         return getattr(self.optimizer, name)
 
 
+#: Lightning's name for the optimizer wrapper that manual optimization hands out (isinstance checks, type hints).
+LightningOptimizer = ManualOptimizer
+
+
 class HookOptimizer:
     """The optimizer a module's `optimizer_step` override gets, as Lightning's LightningOptimizer: `step`
     goes through `apply` (the strategy's step: grad scaler, parameter-server push, learning-rate warm-up), with

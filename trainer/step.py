@@ -60,6 +60,10 @@ class TrainStep:
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
+    def set_accumulation(self, micro_batches: int) -> None:
+        """Step every `micro_batches` batches from now on (the epoch's accumulate_grad_batches)."""
+        self.accumulate, self.loss_scale = micro_batches, 1.0 / micro_batches
+
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
         """True when on_train_batch_start returned -1: Lightning's convention for skipping the rest of the epoch."""
         strategy, progress = self.strategy, self.progress

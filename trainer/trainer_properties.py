@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchyard.callbacks import EarlyStopping, ModelCheckpoint
+from torchyard.callbacks import EarlyStopping, GradientAccumulationScheduler, ModelCheckpoint
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.batches import batch_limit
 from torchyard.trainer.hooks import Hooks
@@ -181,7 +181,15 @@ class TrainerProperties:
     # Lightning's names for what this Trainer holds under its own.
     default_root_dir = _config_field("default_root_dir")
     precision = _config_field("precision")
-    accumulate_grad_batches = _config_field("accumulate_grad_batches")
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Micro-batches per optimizer step in the current epoch: a GradientAccumulationScheduler's factor, else
+        the option's."""
+        scheduler = next((c for c in self.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+        if scheduler is None:
+            return self.config.accumulate_grad_batches
+        return scheduler.get_accumulate_grad_batches(self.current_epoch)
     log_every_n_steps = _config_field("log_every_n_steps")
     max_steps = _config_field("max_steps")
 
