@@ -47,7 +47,7 @@ LAYERS: dict[str, int] = {
     f"{T}.loop": 13,
     # 14-15: the built-in callbacks, then their package (trainer.py builds the default ones)
     f"{C}.checkpoint": 14, f"{C}.early_stopping": 14, f"{C}.lr_monitor": 14, f"{C}.prediction_writer": 14,
-    f"{C}.progress": 14, f"{C}.gradient_accumulation": 14, f"{C}.summary": 14, f"{C}.timer": 14,
+    f"{C}.progress": 14, f"{C}.gradient_accumulation": 14, f"{C}.profilers": 14, f"{C}.summary": 14, f"{C}.timer": 14,
     C: 15,
     # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows

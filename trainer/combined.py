@@ -171,3 +171,34 @@ def as_loader(value: Any, what: str) -> DataLoader | CombinedLoader:
         raise MisconfigurationError(
             f"{what} must be a DataLoader, a list of them, or an iterable of batches; got {type(value).__name__}.")
     return batches_as_loader(value)
+
+
+def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
+    """None / a loader / a list or dict of loaders / a sequential CombinedLoader / an iterable of batches as a list
+    of loaders, with a clear error for anything else."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, CombinedLoader):
+        if loaders.mode != "sequential":
+            raise MisconfigurationError(f"{what}: a CombinedLoader here must use mode='sequential' (each loader "
+                                        f"evaluated on its own), not {loaders.mode!r}.")
+        return [as_loader(loader, what) for loader in loaders.flattened]
+    several = list(loaders.values()) if isinstance(loaders, Mapping) else loaders
+    if isinstance(several, (list, tuple)) and several and all(is_loader(item) for item in several):
+        return [as_loader(item, what) for item in several]
+    return [as_loader(loaders, what)]
+
+
+def training_loader(loaders: Any) -> DataLoader | CombinedLoader:
+    """fit's training data as one loader: a list or dict of loaders read together as Lightning reads them
+    (CombinedLoader, mode 'max_size_cycle'), anything else as `as_loader` takes it."""
+    what = "train_dataloaders"
+    if isinstance(loaders, CombinedLoader):
+        if loaders.mode not in TRAINING_MODES:
+            raise MisconfigurationError(f"fit does not take a CombinedLoader with mode={loaders.mode!r} (as in "
+                                        f"Lightning); use one of {', '.join(TRAINING_MODES)}.")
+        return loaders.map(lambda loader: as_loader(loader, what))
+    several = list(loaders.values()) if isinstance(loaders, Mapping) else loaders
+    if isinstance(several, (list, tuple)) and several and all(is_loader(item) for item in several):
+        return CombinedLoader(loaders, "max_size_cycle")
+    return as_loader(loaders, what)

@@ -34,6 +34,9 @@ UNSUPPORTED_PRECISIONS = {
 CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
+PROFILERS = ("simple", "advanced", "pytorch")
+#: What barebones=True turns off, as in Lightning.
+BAREBONES_OFF = ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary")
 
 
 def _opt(default: Any, help: str, shown_type: str | None = None) -> Any:
@@ -124,6 +127,20 @@ class TrainerConfig:
         "(saves one host sync per step on GPU).",
     )
     inference_mode: bool = _opt(True, "Evaluate under torch.inference_mode (else no_grad).")
+    min_steps: Any = _opt(None, "Train at least this many optimizer steps, even if a callback asks to stop "
+                          "(max_epochs and max_steps still end the fit).", shown_type="int")
+    overfit_batches: Any = _opt(0.0, "Train and validate on the same first batches of the training and validation "
+                                "loaders every epoch, unshuffled: a fraction (float) or a count (int); 0: off.")
+    profiler: Any = _opt(None, f"Time the fit and print a summary at its end: {', '.join(PROFILERS)}, or a profiler "
+                         "from torchyard.callbacks.profilers; unset: none.", shown_type="str")
+    sync_batchnorm: bool = _opt(False, "Turn BatchNorm layers into torch.nn.SyncBatchNorm (statistics over every "
+                                "data-parallel process; needs CUDA devices).")
+    use_distributed_sampler: bool = _opt(True, "Shard, seed and resume the loaders' samplers per rank; False: use "
+                                         "each loader as given (shard it yourself; a resume restarts its epoch).")
+    barebones: bool = _opt(False, "Run the loop alone, as in Lightning: no loggers, checkpoints, progress bar or "
+                           "model summary (setting one of them on too is an error).")
+    enable_autolog_hparams: bool = _opt(True, "Give the loggers the module's and datamodule's hparams at the "
+                                        "start of each stage.")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -215,6 +232,12 @@ def make_config(options: dict[str, Any]) -> TrainerConfig:
             )
         if key not in names:
             raise MisconfigurationError(f"unknown trainer option {key!r}{closest(key, names)}.")
+    if options.get("barebones"):
+        turned_on = [key for key in BAREBONES_OFF if options.get(key) not in (None, False)]
+        if turned_on:
+            raise MisconfigurationError(f"barebones=True runs without {', '.join(BAREBONES_OFF)}, but "
+                                        f"{', '.join(f'{k}={options[k]!r}' for k in turned_on)} was given; drop one.")
+        options = {**options, **dict.fromkeys(BAREBONES_OFF, False)}
     return TrainerConfig(**options)
 
 
@@ -256,8 +279,9 @@ def precision_name(precision: Any) -> str:
 INT_OPTIONS = ("max_steps", "min_epochs", "check_val_every_n_epoch", "reload_dataloaders_every_n_epochs",
                "num_sanity_val_steps", "accumulate_grad_batches", "log_every_n_steps", "devices", "num_nodes",
                "lr_warmup_steps", "max_restarts")
+OPTIONAL_INT_OPTIONS = ("min_steps",)
 LIMIT_OPTIONS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-                 "val_check_interval")
+                 "val_check_interval", "overfit_batches")
 
 
 def validate(config: TrainerConfig) -> None:
@@ -272,6 +296,9 @@ def validate(config: TrainerConfig) -> None:
     for key in INT_OPTIONS:
         value = getattr(config, key)
         _need(_is_int(value), f"trainer option {key}={value!r} must be an integer.")
+    for key in OPTIONAL_INT_OPTIONS:
+        value = getattr(config, key)
+        _need(value is None or (_is_int(value) and value >= 0), f"{key}={value!r} must be an integer >= 0 or unset.")
     _validate_counts(config)
     _validate_choices(config)
     _validate_limits(config)
@@ -315,6 +342,9 @@ def _validate_choices(config: TrainerConfig) -> None:
           f"benchmark={config.benchmark!r} must be true, false or unset.")
     _need(not (config.benchmark and config.deterministic), "benchmark=True lets cuDNN pick algorithms by speed, which "
           "deterministic=True rules out; set one of them.")
+    profiler = config.profiler
+    _need(profiler is None or not isinstance(profiler, str) or profiler in PROFILERS,
+          f"profiler={profiler!r} is not known; use one of {', '.join(PROFILERS)}, a profiler object, or unset.")
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
         known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")

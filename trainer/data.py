@@ -22,12 +22,13 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from torchyard.trainer.combined import TRAINING_MODES, CombinedLoader, as_loader, is_loader
+from torchyard.trainer.combined import CombinedLoader, as_loader_list, training_loader
 from torchyard.trainer.environment import usable_cores
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule, overridden
 
 if TYPE_CHECKING:
+    from torchyard.trainer.config import TrainerConfig
     from torchyard.trainer.strategies.base import Strategy
     from torchyard.trainer.trainer import Trainer
 
@@ -382,37 +383,6 @@ def _timed_head(batches: Iterator[Any], window: int, report: Callable[[float, fl
         report(waited / (time.perf_counter() - started), waited / measured)
 
 
-def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
-    """None / a loader / a list or dict of loaders / a sequential CombinedLoader / an iterable of batches as a list
-    of loaders, with a clear error for anything else."""
-    if loaders is None:
-        return []
-    if isinstance(loaders, CombinedLoader):
-        if loaders.mode != "sequential":
-            raise MisconfigurationError(f"{what}: a CombinedLoader here must use mode='sequential' (each loader "
-                                        f"evaluated on its own), not {loaders.mode!r}.")
-        return [as_loader(loader, what) for loader in loaders.flattened]
-    several = list(loaders.values()) if isinstance(loaders, Mapping) else loaders
-    if isinstance(several, (list, tuple)) and several and all(is_loader(item) for item in several):
-        return [as_loader(item, what) for item in several]
-    return [as_loader(loaders, what)]
-
-
-def training_loader(loaders: Any) -> DataLoader | CombinedLoader:
-    """fit's training data as one loader: a list or dict of loaders read together as Lightning reads them
-    (CombinedLoader, mode 'max_size_cycle'), anything else as `as_loader` takes it."""
-    what = "train_dataloaders"
-    if isinstance(loaders, CombinedLoader):
-        if loaders.mode not in TRAINING_MODES:
-            raise MisconfigurationError(f"fit does not take a CombinedLoader with mode={loaders.mode!r} (as in "
-                                        f"Lightning); use one of {', '.join(TRAINING_MODES)}.")
-        return loaders.map(lambda loader: as_loader(loader, what))
-    several = list(loaders.values()) if isinstance(loaders, Mapping) else loaders
-    if isinstance(several, (list, tuple)) and several and all(is_loader(item) for item in several):
-        return CombinedLoader(loaders, "max_size_cycle")
-    return as_loader(loaders, what)
-
-
 STAGE_LOADERS = {
     "fit": "train_dataloader",
     "validate": "val_dataloader",
@@ -435,6 +405,7 @@ def stage_loaders(
     loaders: tuple[Any, ...],
     seed: int,
     datamodule_state: dict[str, Any] | None = None,
+    config: TrainerConfig | None = None,
 ) -> list[DataLoader]:
     """The stage's data, in Lightning's order: prepare_data (once per node), the datamodule's setup, then the
     module's, then the loaders (for fit: training first, then validation) from `loaders`, else the datamodule,
@@ -456,18 +427,33 @@ def stage_loaders(
             datamodule.load_state_dict(datamodule_state)
     module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
     module.configure_model()
-    return build_loaders(strategy, stage, module, datamodule, loaders, seed)
+    return build_loaders(strategy, stage, module, datamodule, loaders, seed, config)
 
 
-def prepare_for_rank(strategy: Strategy, loader: Any, train: bool, seed: int) -> Any:
-    """`loader` (each of a CombinedLoader's) as `strategy` shards it for this rank."""
+def prepare_for_rank(strategy: Strategy, loader: Any, train: bool, seed: int, config: TrainerConfig | None) -> Any:
+    """`loader` (each of a CombinedLoader's) as `strategy` shards it for this rank; as given where the config says
+    use_distributed_sampler=False, unshuffled for overfit_batches."""
     if isinstance(loader, CombinedLoader):
-        return loader.map(lambda each: strategy.prepare_loader(each, train, seed))
+        return loader.map(lambda each: prepare_for_rank(strategy, each, train, seed, config))
+    if config is not None and train and config.overfit_batches:
+        loader = _unshuffled(loader)
+    if config is not None and not config.use_distributed_sampler:
+        return loader
     return strategy.prepare_loader(loader, train, seed)
 
 
+def _unshuffled(loader: DataLoader) -> DataLoader:
+    """`loader` in its dataset's order (overfit_batches trains on the same first batches each epoch)."""
+    if not isinstance(loader.sampler, RandomSampler) or loader.batch_size is None:
+        return loader
+    warnings.warn("overfit_batches trains on the same batches every epoch, so the shuffling training dataloader is "
+                  "read in order, as in Lightning.", stacklevel=4)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last,
+                      **loader_kwargs(loader, None))
+
+
 def build_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodule: DataModule | None,
-                  loaders: tuple[Any, ...], seed: int) -> list[DataLoader]:
+                  loaders: tuple[Any, ...], seed: int, config: TrainerConfig | None = None) -> list[DataLoader]:
     """The stage's loaders (for fit: training first), from `loaders`, else the datamodule's hooks, else the
     module's, each prepared for this rank; called again for reload_dataloaders_every_n_epochs."""
     names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
@@ -485,7 +471,7 @@ def build_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodul
         named = [("training", training_loader(loaders[0]))] + [("validation", v) for v in val]
     else:
         named = [(_LOADER_NAMES[stage], loader) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
-    prepared = [prepare_for_rank(strategy, loader, what == "training", seed) for what, loader in named]
+    prepared = [prepare_for_rank(strategy, loader, what == "training", seed, config) for what, loader in named]
     for (what, _), loader in zip(named, prepared) if strategy.is_global_zero else ():
         warning = worker_oversubscription(loader, what, strategy.environment.local_world_size)
         if warning is not None:

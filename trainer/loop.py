@@ -157,7 +157,7 @@ class FitEpochs:
                     self._validate_mid_epoch()
                 guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
                 # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
-                if steps_done or state.should_stop and progress.epoch >= config.min_epochs:
+                if steps_done or state.should_stop and _stop_allowed(progress, config):
                     return finished
         if progress.epoch_batches == 0:
             raise MisconfigurationError("the training dataloader yielded no batches in this epoch.")
@@ -285,7 +285,12 @@ def _done(trainer: Trainer, max_epochs: int) -> bool:
     progress, config = trainer.progress, trainer.config
     if _steps_done(trainer) or (max_epochs != -1 and progress.epoch >= max_epochs):
         return True
-    return trainer.should_stop and progress.epoch >= config.min_epochs
+    return trainer.should_stop and _stop_allowed(progress, config)
+
+
+def _stop_allowed(progress: Progress, config: Any) -> bool:
+    """Whether a callback's request to stop may end the fit: min_epochs whole epochs and min_steps steps are done."""
+    return progress.epoch >= config.min_epochs and progress.global_step >= (config.min_steps or 0)
 
 
 def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader], keep_rng: bool = False) -> None:

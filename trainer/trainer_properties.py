@@ -10,6 +10,7 @@ import torch
 
 from torchyard.callbacks import EarlyStopping, GradientAccumulationScheduler, ModelCheckpoint
 from torchyard.callbacks.base import Callback
+from torchyard.callbacks.profilers import Profiler
 from torchyard.trainer.batches import batch_limit
 from torchyard.trainer.hooks import Hooks
 from torchyard.trainer.logging import Logger, MetricCollector
@@ -214,6 +215,11 @@ class TrainerProperties:
     def version(self) -> int | str:
         """The run's number: log_dir is `<default_root_dir>/<name>/version_<n>`."""
         return self.loggers[0].version if self.loggers else self._run_folder.number()
+
+    @property
+    def profiler(self) -> Profiler | None:
+        """The fit's profiler (the profiler option's, or one given among the callbacks), as in Lightning."""
+        return next((c for c in self.callbacks if isinstance(c, Profiler)), None)
 
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
