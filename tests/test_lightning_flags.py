@@ -3,6 +3,8 @@ barebones, enable_autolog_hparams."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -138,5 +140,5 @@ def test_enable_autolog_hparams(tmp_path):
         trainer = Trainer(max_epochs=1, enable_autolog_hparams=autolog, default_root_dir=str(tmp_path / str(autolog)),
                           **{**QUIET, "logger": True})
         trainer.fit(WithHparams(), DataLoader(dataset(), batch_size=4))
-        hparams = trainer.log_dir / "hparams.yaml"
+        hparams = Path(trainer.log_dir) / "hparams.yaml"
         assert ("width: 3" in hparams.read_text()) if autolog else not hparams.exists()

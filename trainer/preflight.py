@@ -307,8 +307,8 @@ def write_run_files(trainer: Trainer) -> None:
             if getattr(logger, "evaluation_stage", None) is None:  # an evaluated run keeps its own hparams.yaml
                 logger.log_hyperparams(hparams)
     if trainer.is_global_zero and trainer.run_config is not None and not trainer.config.fast_dev_run:
-        save_recipe_beside_earlier(trainer.log_dir, trainer.run_config, trainer.stage or "fit")
+        save_recipe_beside_earlier(Path(trainer.log_dir), trainer.run_config, trainer.stage or "fit")
     run_id = trainer.strategy.environment.run_id
     if trainer.is_global_zero and run_id is not None and trainer.stage == "fit":  # found again by a restart
-        trainer.log_dir.mkdir(parents=True, exist_ok=True)
-        (trainer.log_dir / RUN_ID_FILE).write_text(run_id)
+        Path(trainer.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(trainer.log_dir) / RUN_ID_FILE).write_text(run_id)

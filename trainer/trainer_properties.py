@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -205,11 +204,11 @@ class TrainerProperties:
         return next((c for c in self.callbacks if isinstance(c, EarlyStopping)), None)
 
     @property
-    def log_dir(self) -> Path:
-        """This run's folder: `<default_root_dir>/<name>/version_<n>`."""
+    def log_dir(self) -> str:
+        """This run's folder, `<default_root_dir>/<name>/version_<n>`, as a string (as Lightning's)."""
         if self.loggers:
-            return self.loggers[0].log_dir
-        return self._run_folder.path
+            return str(self.loggers[0].log_dir)
+        return str(self._run_folder.path)
 
     @property
     def version(self) -> int | str:
