@@ -374,3 +374,67 @@ def test_trainer_flags(tmp_path):
     trainer.fit(LitModel(), DataLoader(images(64), batch_size=8), DataLoader(images(32, 1), batch_size=8))
     assert trainer.global_step == 6 and trainer.num_val_batches == [2]
     assert not any(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------- extensions/callbacks_state.rst
+
+
+class Counter(Callback):
+    def __init__(self, what="epochs", verbose=True):
+        self.what = what
+        self.verbose = verbose
+        self.state = {"epochs": 0, "batches": 0}
+
+    @property
+    def state_key(self) -> str:
+        return f"Counter[what={self.what}]"
+
+    def on_train_epoch_end(self, *args, **kwargs):
+        if self.what == "epochs":
+            self.state["epochs"] += 1
+
+    def on_train_batch_end(self, *args, **kwargs):
+        if self.what == "batches":
+            self.state["batches"] += 1
+
+    def load_state_dict(self, state_dict):
+        self.state.update(state_dict)
+
+    def state_dict(self):
+        return self.state.copy()
+
+
+def test_callbacks_state(tmp_path):
+    seed_everything(0)
+    trainer = Trainer(callbacks=[Counter(what="epochs"), Counter(what="batches")], max_epochs=2,
+                      default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(LitModel(), DataLoader(images(32), batch_size=8))
+    last = trainer.checkpoint_callback.last_model_path
+    saved = torch.load(last, weights_only=True)["callbacks"]
+    assert saved["Counter[what=epochs]"] == {"epochs": 2, "batches": 0}
+    assert saved["Counter[what=batches]"] == {"epochs": 0, "batches": 8}
+    counters = [Counter(what="epochs"), Counter(what="batches")]
+    Trainer(callbacks=counters, max_epochs=3, default_root_dir=str(tmp_path), **QUIET).fit(
+        LitModel(), DataLoader(images(32), batch_size=8), ckpt_path=last)
+    assert [c.state for c in counters] == [{"epochs": 3, "batches": 0}, {"epochs": 0, "batches": 12}]
+
+
+# --------------------------------------------------------------------------- common/checkpointing_intermediate.rst
+
+
+def test_checkpointing_intermediate(tmp_path):
+    seed_everything(0)
+    checkpoint_callback = ModelCheckpoint(monitor="val_loss", dirpath=tmp_path / "my/path",
+                                          filename="sample-mnist-{epoch:02d}-{val_loss:.2f}", save_top_k=3, mode="min")
+    trainer = Trainer(callbacks=[checkpoint_callback], max_epochs=5, default_root_dir=str(tmp_path), **QUIET)
+    model = LitModel()
+    trainer.fit(model, DataLoader(images(32), batch_size=8), DataLoader(images(16, 1), batch_size=8))
+    files = sorted(path.name for path in (tmp_path / "my/path").glob("*.ckpt"))
+    assert len(files) == 3 and all(name.startswith("sample-mnist-epoch=0") for name in files)
+    scores = {path: float(score) for path, score in checkpoint_callback.best_k_models.items()}
+    assert checkpoint_callback.best_model_score == min(scores.values())
+    best = LitModel.load_from_checkpoint(checkpoint_callback.best_model_path)
+    with torch.no_grad():
+        x, y = images(16, 1).tensors
+        assert F.cross_entropy(best(x), y).item() == pytest.approx(float(checkpoint_callback.best_model_score),
+                                                                    rel=1e-5)
