@@ -32,6 +32,7 @@ class Profiler(Callback):
     def __init__(self, dirpath: str | Path | None = None, filename: str | None = None) -> None:
         self.dirpath, self.filename = dirpath, filename or "profile"
         self.last_summary = ""
+        self.stage: str | None = None  # the stage being profiled, from its setup to its teardown
 
     def start_profiling(self, stage: str) -> None: ...
 
@@ -43,11 +44,15 @@ class Profiler(Callback):
 
     @override
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        self.stage = stage
         self.start_profiling(stage)
 
     @override
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        if self.stage is None:
+            return  # the stage failed before its callbacks were set up: nothing was profiled
         self.stop_profiling()
+        self.stage = None
         self.last_summary = f"{type(self).__name__} report ({stage}):\n{self.summary()}"
         if self.dirpath is None:
             if trainer.is_global_zero:
@@ -93,16 +98,17 @@ class SimpleProfiler(Profiler):
 
     @override
     def start_profiling(self, stage: str) -> None:
-        self._stage = stage
         self._started[stage] = time.perf_counter()
 
     @override
     def stop_profiling(self) -> None:
-        self._stopper(self._stage)()
+        self._stopper(self.stage)()
+        self._reported_stage = self.stage
 
     @override
     def summary(self) -> str:
-        total = sum(self.recorded_durations.get(self._stage, [])) or 1e-12
+        """Each action's durations; the share is of the last profiled stage's whole time."""
+        total = sum(self.recorded_durations.get(getattr(self, "_reported_stage", None) or "", [])) or 1e-12
         rows = [f"{'Action':<24}| {'Mean (s)':>10} | {'Calls':>6} | {'Total (s)':>10} | {'Share':>7}"]
         ordered = sorted(self.recorded_durations.items(), key=lambda item: -sum(item[1]))
         for action, durations in ordered:

@@ -142,3 +142,13 @@ def test_enable_autolog_hparams(tmp_path):
         trainer.fit(WithHparams(), DataLoader(dataset(), batch_size=4))
         hparams = Path(trainer.log_dir) / "hparams.yaml"
         assert ("width: 3" in hparams.read_text()) if autolog else not hparams.exists()
+
+
+def test_a_profiler_of_a_stage_that_failed_before_setup_reports_nothing(capsys):
+    class NoOptimizer(Linear):
+        def configure_optimizers(self):
+            raise RuntimeError("broken configure_optimizers")
+
+    with pytest.raises(RuntimeError, match="broken configure_optimizers"):
+        Trainer(max_epochs=1, profiler="simple", **QUIET).fit(NoOptimizer(), DataLoader(dataset(), batch_size=4))
+    assert "SimpleProfiler report" not in capsys.readouterr().out
