@@ -429,7 +429,7 @@ class LossHistory(Callback):
 def test_lstm_demo(tmp_path):
     seed_everything(0)
     history = LossHistory()
-    trainer = Trainer(max_epochs=6, gradient_clip_val=0.25, callbacks=[history], default_root_dir=str(tmp_path),
+    trainer = Trainer(max_epochs=4, gradient_clip_val=0.25, callbacks=[history], default_root_dir=str(tmp_path),
                       **QUIET)
     trainer.fit(LightningLSTM())
     assert trainer.num_training_batches == 8
@@ -465,6 +465,6 @@ class TransformerLM(LightningModule):
 def test_transformer_demo(tmp_path):
     seed_everything(0)
     history = LossHistory()
-    trainer = Trainer(max_epochs=3, callbacks=[history], default_root_dir=str(tmp_path), **QUIET)
+    trainer = Trainer(max_epochs=2, callbacks=[history], default_root_dir=str(tmp_path), **QUIET)
     trainer.fit(TransformerLM(), DataLoader(CountingSequences(), batch_size=4, shuffle=True))
     assert history.losses[-1] < 0.5 * history.losses[0]
