@@ -2,10 +2,11 @@
 
 from torchyard.callbacks.base import Callback
 from torchyard.callbacks.checkpoint import ModelCheckpoint
-from torchyard.callbacks.early_stopping import EarlyStopping
+from torchyard.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
+from torchyard.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from torchyard.callbacks.lr_monitor import LearningRateMonitor
 from torchyard.callbacks.prediction_writer import BasePredictionWriter
-from torchyard.callbacks.progress import RichProgressBar
+from torchyard.callbacks.progress import RichProgressBar, TQDMProgressBar
 from torchyard.callbacks.summary import ModelSummary
 from torchyard.callbacks.timer import Timer
 
@@ -13,9 +14,12 @@ __all__ = [
     "BasePredictionWriter",
     "Callback",
     "EarlyStopping",
+    "EarlyStoppingReason",
+    "GradientAccumulationScheduler",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",
     "RichProgressBar",
+    "TQDMProgressBar",
     "Timer",
 ]

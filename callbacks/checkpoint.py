@@ -214,6 +214,9 @@ class ModelCheckpoint(Callback):
                 trainer.save_checkpoint(self.last_model_path, weights_only=self.save_weights_only)
             if previous_last and previous_last != self.last_model_path:
                 trainer.strategy.remove_checkpoint(previous_last)
+        if trainer.is_global_zero:  # as in Lightning: a logger may upload what was saved (MLFlowLogger's log_model)
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
         if missing is not None:  # raised once the run's state is in last.ckpt (with save_last): no work is lost
             saved = f" The run so far is saved in {self.last_model_path}." if self.save_last else ""
             raise MisconfigurationError(missing + saved)

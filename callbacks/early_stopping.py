@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from torchyard.callbacks.base import Callback
@@ -13,6 +14,16 @@ from torchyard.trainer.evaluation_record import SCORED, read_record, scores
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
     from torchyard.trainer.trainer import Trainer
+
+
+class EarlyStoppingReason(Enum):
+    """Why EarlyStopping stopped the fit (Lightning's enum, same members and values)."""
+
+    NOT_STOPPED = 0
+    STOPPING_THRESHOLD = 1
+    DIVERGENCE_THRESHOLD = 2
+    PATIENCE_EXHAUSTED = 3
+    NON_FINITE_METRIC = 4
 
 
 class EarlyStopping(Callback):
@@ -55,7 +66,8 @@ class EarlyStopping(Callback):
         self.wait_count = 0
         self.stopped_epoch = 0
         self.best_score = math.inf if mode == "min" else -math.inf
-        self.stopping_reason: str | None = None
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
+        self.stopping_reason_message: str | None = None  # the sentence printed when it stopped
         self._at_epoch_end = True
         self._warned_missing = False
 
@@ -104,13 +116,18 @@ class EarlyStopping(Callback):
             return
         # Every rank follows rank 0's value so all of them stop at the same step.
         current = trainer.strategy.broadcast(float(metrics[self.monitor]))
-        should_stop, reason = self._evaluate(current)
+        self._act(trainer, *self._evaluate(current), f"step {trainer.global_step}")
+
+    def _act(self, trainer: Trainer, kind: EarlyStoppingReason, reason: str | None, where: str) -> bool:
+        """Stop the run where `kind` says so, printing the reason; whether it stops."""
+        should_stop = kind is not EarlyStoppingReason.NOT_STOPPED
         if should_stop:
             trainer.should_stop = True
             self.stopped_epoch = trainer.current_epoch
-            self.stopping_reason = reason
+            self.stopping_reason, self.stopping_reason_message = kind, reason
         if reason and (should_stop or self.verbose) and trainer.is_global_zero:
-            print(f"EarlyStopping (epoch {trainer.current_epoch}, step {trainer.global_step}): {reason}")
+            print(f"EarlyStopping (epoch {trainer.current_epoch}, {where}): {reason}")
+        return should_stop
 
     def _check_evaluator_scores(self, trainer: Trainer) -> None:
         """Each score the evaluator recorded since the last check is one check (rank 0 reads them for every rank)."""
@@ -132,43 +149,41 @@ class EarlyStopping(Callback):
                 warnings.warn(message, stacklevel=2)
         for step, value in values:
             self.evaluated_step = step
-            should_stop, reason = self._evaluate(value)
-            if reason and (should_stop or self.verbose) and trainer.is_global_zero:
-                print(f"EarlyStopping (epoch {trainer.current_epoch}, the evaluator's score of step {step}): {reason}")
-            if should_stop:
-                trainer.should_stop = True
-                self.stopped_epoch, self.stopping_reason = trainer.current_epoch, reason
+            if self._act(trainer, *self._evaluate(value), f"the evaluator's score of step {step}"):
                 return
 
     def _improves(self, current: float, reference: float, margin: float = 0.0) -> bool:
         return current < reference - margin if self.mode == "min" else current > reference + margin
 
-    def _evaluate(self, current: float) -> tuple[bool, str | None]:
-        """(stop?, why) for one new value; updates best_score and wait_count."""
-        name = repr(self.monitor)
+    def _evaluate(self, current: float) -> tuple[EarlyStoppingReason, str | None]:
+        """(why it stops, NOT_STOPPED where it goes on; what to print) for one new value; updates best_score and
+        wait_count."""
+        name, go_on, why = repr(self.monitor), EarlyStoppingReason.NOT_STOPPED, EarlyStoppingReason
         if self.check_finite and not math.isfinite(current):
-            return True, (f"{name} = {current} is not finite; the best was {self.best_score:.5g}. "
-                          "Stopping (pass check_finite=False to continue).")
+            return why.NON_FINITE_METRIC, (f"{name} = {current} is not finite; the best was {self.best_score:.5g}. "
+                                           "Stopping (pass check_finite=False to continue).")
         if self.stopping_threshold is not None and self._improves(current, self.stopping_threshold):
-            return True, f"{name} = {current:.5g} passed stopping_threshold={self.stopping_threshold}. Stopping."
+            return why.STOPPING_THRESHOLD, (f"{name} = {current:.5g} passed stopping_threshold="
+                                            f"{self.stopping_threshold}. Stopping.")
         if self.divergence_threshold is not None and self._improves(self.divergence_threshold, current):
-            return True, (f"{name} = {current:.5g} is worse than divergence_threshold={self.divergence_threshold}; "
-                          "the run diverged. Stopping.")
+            return why.DIVERGENCE_THRESHOLD, (f"{name} = {current:.5g} is worse than divergence_threshold="
+                                              f"{self.divergence_threshold}; the run diverged. Stopping.")
         if self._improves(current, self.best_score, self.min_delta):
             previous = self.best_score
             self.best_score, self.wait_count = current, 0
             if math.isfinite(previous):
-                return False, f"{name} improved by {abs(previous - current):.5g} to {current:.5g}."
-            return False, f"{name} = {current:.5g} is the first best."
+                return go_on, f"{name} improved by {abs(previous - current):.5g} to {current:.5g}."
+            return go_on, f"{name} = {current:.5g} is the first best."
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            return True, (f"{name} did not improve by more than {self.min_delta} in the last {self.wait_count} checks "
-                          f"(best {self.best_score:.5g}). Stopping.")
-        return False, None
+            return why.PATIENCE_EXHAUSTED, (f"{name} did not improve by more than {self.min_delta} in the last "
+                                            f"{self.wait_count} checks (best {self.best_score:.5g}). Stopping.")
+        return go_on, None
 
     def state_dict(self) -> dict[str, Any]:
         return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self.best_score,
-                "patience": self.patience, "evaluated_step": self.evaluated_step}
+                "patience": self.patience, "evaluated_step": self.evaluated_step,
+                "stopping_reason": self.stopping_reason.value, "stopping_reason_message": self.stopping_reason_message}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # patience stays as configured now: resuming with a different patience is a deliberate choice.
@@ -176,3 +191,5 @@ class EarlyStopping(Callback):
         self.stopped_epoch = int(state["stopped_epoch"])
         self.best_score = float(state["best_score"])
         self.evaluated_step = int(state.get("evaluated_step", -1))
+        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", 0))
+        self.stopping_reason_message = state.get("stopping_reason_message")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -281,3 +282,15 @@ class RichProgressBar(Callback):
 
     def on_predict_end(self, trainer: Trainer, module: TrainModule) -> None:
         self._eval_end(trainer)
+
+
+class TQDMProgressBar(RichProgressBar):
+    """Lightning's TQDMProgressBar by name: this framework draws the same rich bar (no tqdm dependency);
+    `refresh_rate` means what it means there, `process_position` (a terminal line offset) is accepted and unused."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self.process_position = process_position
+        if process_position:
+            warnings.warn(f"TQDMProgressBar(process_position={process_position}) has no effect here: the bar is "
+                          "drawn by rich on rank 0, at the terminal's current line.", stacklevel=2)

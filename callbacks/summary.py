@@ -79,9 +79,9 @@ def stop_reason(trainer: Trainer) -> str:
     """Why a fit's training ended, read from the trainer and its callbacks once it has (nothing is tracked per step)."""
     config, progress = trainer.config, trainer.progress
     if trainer.should_stop:
-        early = next((c for c in trainer.callbacks if isinstance(c, EarlyStopping) and c.stopping_reason), None)
+        early = next((c for c in trainer.callbacks if isinstance(c, EarlyStopping) and c.stopping_reason_message), None)
         if early is not None:
-            return f"early stopping: {early.stopping_reason.removesuffix(' Stopping.').rstrip('.')}"
+            return f"early stopping: {early.stopping_reason_message.removesuffix(' Stopping.').rstrip('.')}"
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer) and c.duration is not None
                       and c.time_remaining("train") <= 0), None)
         if timer is not None:

@@ -542,7 +542,7 @@ def test_early_stopping_stops_on_a_non_finite_value(tmp_path, capsys):
     module = Scripted([1.0, 0.8, math.nan, 0.5])
     make_trainer(tmp_path, [stopper], max_epochs=4).fit(module, *loaders())
     assert stopper.stopped_epoch == 2 and module.validations == 3
-    assert "not finite" in stopper.stopping_reason
+    assert "not finite" in stopper.stopping_reason_message
     assert "not finite" in capsys.readouterr().out
 
 
@@ -677,14 +677,14 @@ def test_lr_monitor_follows_a_step_scheduler(tmp_path):
     trainer = make_trainer(tmp_path, [LearningRateMonitor()], max_epochs=2, logger=True, log_every_n_steps=1)
     trainer.fit(Scheduled("step"), *loaders())
     # Row s holds the rate of the step after it: halved every 2 steps.
-    assert read_lr_rows(trainer.log_dir) == [(s, pytest.approx(0.1 * 0.5 ** (s // 2))) for s in range(8)]
+    assert read_lr_rows(Path(trainer.log_dir)) == [(s, pytest.approx(0.1 * 0.5 ** (s // 2))) for s in range(8)]
 
 
 def test_lr_monitor_follows_an_epoch_scheduler(tmp_path):
     trainer = make_trainer(tmp_path, [LearningRateMonitor()], max_epochs=3, logger=True, log_every_n_steps=1)
     trainer.fit(Scheduled("epoch"), *loaders())
     expected = [(BATCHES_PER_EPOCH * e, pytest.approx(0.1 * 0.9**e)) for e in range(3)]
-    assert read_lr_rows(trainer.log_dir) == expected
+    assert read_lr_rows(Path(trainer.log_dir)) == expected
 
 
 def test_lr_monitor_logs_an_optimizer_without_a_scheduler_every_step_and_epoch(tmp_path):
@@ -698,7 +698,7 @@ def test_lr_monitor_logs_an_optimizer_without_a_scheduler_every_step_and_epoch(t
     expected = sorted([(s, pytest.approx(0.1 * (s + 1))) for s in range(steps)] +
                       [(e * BATCHES_PER_EPOCH, pytest.approx(0.1 * (e * BATCHES_PER_EPOCH + 1))) for e in range(2)],
                       key=lambda row: row[0])
-    assert read_lr_rows(trainer.log_dir) == expected
+    assert read_lr_rows(Path(trainer.log_dir)) == expected
 
 
 def test_lr_monitor_logs_the_warmed_rate_during_lr_scaling_warmup(tmp_path):
@@ -706,7 +706,7 @@ def test_lr_monitor_logs_the_warmed_rate_during_lr_scaling_warmup(tmp_path):
                            accumulate_grad_batches=2, lr_scaling="linear", lr_warmup_steps=2)
     trainer.fit(Scheduled(None), *loaders())
     # x2 (accumulate 2), reached linearly over 2 steps: 0.1, 0.15, then 0.2.
-    assert read_lr_rows(trainer.log_dir) == [(0, pytest.approx(0.1)), (1, pytest.approx(0.15)),
+    assert read_lr_rows(Path(trainer.log_dir)) == [(0, pytest.approx(0.1)), (1, pytest.approx(0.15)),
                                              (2, pytest.approx(0.2)), (3, pytest.approx(0.2))]
 
 
@@ -732,7 +732,7 @@ def test_lr_monitor_names_rates_as_lightning_does_and_logs_momentum_and_weight_d
     module.automatic_optimization = False  # four optimizers: stepped by hand (here: not at all)
     module.training_step = lambda batch, batch_idx: None
     trainer.fit(module, *loaders())
-    with open(trainer.log_dir / "metrics.csv", newline="") as f:
+    with open(Path(trainer.log_dir) / "metrics.csv", newline="") as f:
         [row] = [{k: float(v) for k, v in row.items() if v and k not in ("step", "epoch")} for row in csv.DictReader(f)]
     assert row == {"lr-SGD/pg1": 0.1, "lr-SGD/pg1-momentum": 0.9, "lr-SGD/pg1-weight_decay": 0.0,
                    "lr-SGD/head": 0.2, "lr-SGD/head-momentum": 0.9, "lr-SGD/head-weight_decay": 0.0,

@@ -309,7 +309,7 @@ def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
     run(1, logger=CSVLogger(tmp_path / "logs", name="exp"))
     resumed, counted = run(2, "last", logger=CSVLogger(tmp_path / "logs", name="exp"))
     assert counted.batches == 5 and resumed.global_step == 10
-    assert resumed.log_dir == tmp_path / "logs" / "exp" / "version_0"
+    assert Path(resumed.log_dir) == tmp_path / "logs" / "exp" / "version_0"
 
 
 def test_fit_from_last_with_nothing_saved_starts_afresh_and_says_so(tmp_path):

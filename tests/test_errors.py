@@ -179,7 +179,7 @@ def test_fit_inputs():
     ):
         Trainer(**QUIET).fit(Tiny())
     with pytest.raises(
-        MisconfigurationError, match="train_dataloaders must be a DataLoader or a list of them, got TensorDataset"
+        MisconfigurationError, match="train_dataloaders must be a DataLoader, a list of them, or an iterable of batches"
     ):
         Trainer(**QUIET).fit(Tiny(), TensorDataset(torch.randn(4, 2)))
     with pytest.raises(MisconfigurationError, match="callbacks must be Callback instances; got function"):

@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
     #    folders, fault signals, checkpoint files, batch order and device moves, and the Callback interface
     f"{T}.environment": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
-    f"{T}.batches": 1, f"{C}.base": 1,
+    f"{T}.batches": 1, f"{C}.base": 1, f"{T}.combined": 1, f"{T}.hparams": 1,
     # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class
     f"{T}.loggers": 2,
     #    and the checks every node of a multi-node job runs before the nodes meet
@@ -50,7 +50,7 @@ LAYERS: dict[str, int] = {
     f"{T}.loop": 13,
     # 14-15: the built-in callbacks, then their package (trainer.py builds the default ones)
     f"{C}.checkpoint": 14, f"{C}.early_stopping": 14, f"{C}.lr_monitor": 14, f"{C}.prediction_writer": 14,
-    f"{C}.progress": 14, f"{C}.summary": 14, f"{C}.timer": 14,
+    f"{C}.progress": 14, f"{C}.gradient_accumulation": 14, f"{C}.profilers": 14, f"{C}.summary": 14, f"{C}.timer": 14,
     #     and the evaluator side process's callback (it validates with the Trainer class it is handed, not imports)
     f"{T}.evaluator": 14,
     C: 15,

@@ -125,7 +125,7 @@ def read_csv(path) -> tuple[list[str], list[dict[str, str]]]:
 
 def test_csv_rows_columns_and_hparams(datasets):
     module, trainer = fit_classifier(datasets, log_every_n_steps=2)
-    folder = trainer.log_dir
+    folder = Path(trainer.log_dir)
     assert folder.name == "version_0"
     columns, rows = read_csv(folder / "metrics.csv")
     assert set(columns) == {"step", "epoch", "train_loss_step", "plain", "train_acc_step", "val_acc", "val_loss",
@@ -166,7 +166,7 @@ def test_hparams_yaml_holds_the_datamodules_too_and_values_yaml_cannot_hold_as_t
     settings = {"dtype": torch.bfloat16, "layers": [nn.ReLU(), 2]}
     trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=1, **QUIET)
     trainer.fit(Configured(settings=settings), datamodule=Loaders(train, batch_size=4))
-    assert OmegaConf.to_container(OmegaConf.load(trainer.log_dir / "hparams.yaml")) == {
+    assert OmegaConf.to_container(OmegaConf.load(Path(trainer.log_dir) / "hparams.yaml")) == {
         "hidden": 8, "note": "plain text", "settings": {"dtype": "torch.bfloat16", "layers": ["ReLU()", 2]},
         "batch_size": 4}
     with pytest.raises(
@@ -184,7 +184,7 @@ def test_a_resumed_fit_keeps_the_rows_of_a_validation_run_after_its_checkpoint(d
     trainer = Trainer(max_epochs=1, **options)
     trainer.fit(Classifier(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8))
     trainer.validate(trainer.module, DataLoader(val, batch_size=8))  # after the fit's last checkpoint, at its step
-    metrics = trainer.log_dir / "metrics.csv"
+    metrics = Path(trainer.log_dir) / "metrics.csv"
     before = read_csv(metrics)[1]
     assert [row["step"] for row in before if row["val_loss"]] == ["3", "3"]
     Trainer(max_epochs=2, **options).fit(Classifier(), DataLoader(train, batch_size=8), DataLoader(val, batch_size=8),
@@ -208,14 +208,14 @@ def test_a_checkpoint_of_another_run_starts_a_new_run_folder_and_leaves_the_othe
     again = Trainer(name="b", max_epochs=2, **options)
     with pytest.warns(UserWarning, match="the checkpoint folder changed"):  # a's top-k files are not b's
         again.fit(Classifier(), *loaders, ckpt_path=other.checkpoint_callback.last_model_path)
-    assert again.log_dir == tmp_path / "b" / "version_1"  # as in Lightning: a new run, from a's weights
+    assert Path(again.log_dir) == tmp_path / "b" / "version_1"  # as in Lightning: a new run, from a's weights
     assert again.global_step == 6  # a's epoch, then one more
     assert {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "b" / "version_0").rglob("*")
             if p.is_file()} == before
     # The same run's checkpoint still continues in its own folder.
     resumed = Trainer(name="b", max_epochs=3, **options)
     resumed.fit(Classifier(), *loaders, ckpt_path=again.checkpoint_callback.last_model_path)
-    assert resumed.log_dir == again.log_dir
+    assert Path(resumed.log_dir) == Path(again.log_dir)
     # So does a checkpoint written before checkpoints recorded their run's folder.
     old_style = torch.load(resumed.checkpoint_callback.last_model_path, weights_only=True)
     del old_style["loops"]["folder"]
@@ -224,7 +224,7 @@ def test_a_checkpoint_of_another_run_starts_a_new_run_folder_and_leaves_the_othe
     torch.save(old_style, tmp_path / "old_style.ckpt")
     older = Trainer(name="b", max_epochs=4, **options)
     older.fit(Classifier(), *loaders, ckpt_path=tmp_path / "old_style.ckpt")
-    assert older.log_dir == again.log_dir
+    assert Path(older.log_dir) == Path(again.log_dir)
 
 
 def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_path):
@@ -264,8 +264,8 @@ def test_a_loggers_prefix_goes_before_every_metric_name(datasets, tmp_path):
 def test_second_run_gets_next_version_folder(datasets):
     _, first = fit_classifier(datasets, max_epochs=1, log_every_n_steps=1)
     _, second = fit_classifier(datasets, max_epochs=1, log_every_n_steps=1)
-    assert (first.log_dir.name, second.log_dir.name) == ("version_0", "version_1")
-    assert (second.log_dir / "metrics.csv").is_file()
+    assert (Path(first.log_dir).name, Path(second.log_dir).name) == ("version_0", "version_1")
+    assert (Path(second.log_dir) / "metrics.csv").is_file()
 
 
 class ExplicitBatchSize(TrainModule):
@@ -362,7 +362,7 @@ def probe_fit(tmp_path, module, train, val=None, **options):
         **{"max_epochs": 2, **QUIET, "default_root_dir": str(tmp_path), "log_every_n_steps": 1, **options}
     )
     trainer.fit(module, DataLoader(train, batch_size=8), DataLoader(val, batch_size=8) if val is not None else None)
-    return trainer, read_csv(trainer.log_dir / "metrics.csv")[1]
+    return trainer, read_csv(Path(trainer.log_dir) / "metrics.csv")[1]
 
 
 def test_monitors_see_logger_false_values_and_the_plain_name_of_step_and_epoch_values(datasets, tmp_path):
@@ -642,7 +642,7 @@ def test_the_readme_quickstart_writes_its_metrics_though_shorter_than_log_every_
 def test_a_short_fit_writes_every_epoch_value_and_its_last_step(datasets, tmp_path):
     with pytest.warns(UserWarning, match="fewer than log_every_n_steps=50, so its loggers get only its last step's"):
         module, trainer = fit_classifier(datasets, logger=True, default_root_dir=str(tmp_path))
-    _, rows = read_csv(trainer.log_dir / "metrics.csv")
+    _, rows = read_csv(Path(trainer.log_dir) / "metrics.csv")
     epoch_rows = [row for row in rows if row.get("train_loss_epoch")]
     assert [row["epoch"] for row in epoch_rows] == ["0", "1"]
     assert [row["epoch"] for row in rows if row.get("val_acc")] == ["0", "1"]
@@ -671,7 +671,7 @@ def test_an_evaluation_of_a_runs_checkpoint_logs_into_that_run(datasets, tmp_pat
         evaluator = Trainer(**options)
         module = EvaluatedClassifier(hidden=8, note="other")
         [results] = getattr(evaluator, stage)(module, DataLoader(val, batch_size=8), ckpt_path=ckpt_path, verbose=False)
-        assert evaluator.log_dir == Path("default/version_0")
+        assert Path(evaluator.log_dir) == Path("default/version_0")
         assert capsys.readouterr().err.count(f"trainer: {stage} loads default/version_0/checkpoints/") == 1
     # Each evaluation's rows in the stage's file of the run; the run's own files as it wrote them.
     _, rows = read_csv(run / f"metrics_{stage}.csv")
@@ -681,4 +681,4 @@ def test_an_evaluation_of_a_runs_checkpoint_logs_into_that_run(datasets, tmp_pat
     # A fresh module, no checkpoint: a run of its own, as before.
     fresh = Trainer(**options)
     getattr(fresh, stage)(EvaluatedClassifier(), DataLoader(val, batch_size=8), verbose=False)
-    assert fresh.log_dir == Path("default/version_1") and (fresh.log_dir / "metrics.csv").is_file()
+    assert Path(fresh.log_dir) == Path("default/version_1") and (Path(fresh.log_dir) / "metrics.csv").is_file()

@@ -667,7 +667,7 @@ class WithLBFGS(Counting):
         self.before_steps += 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.batch_end_losses.append(float(outputs.detach()))
+        self.batch_end_losses.append(float(outputs["loss"]))  # Lightning passes {"loss": the detached loss}
 
     def configure_optimizers(self):
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4, history_size=3)

@@ -111,6 +111,22 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", mmap: bool
     return checkpoint
 
 
+def load_hparams_file(path: str | Path) -> dict[str, Any]:
+    """The hyperparameters in a YAML file (a run's hparams.yaml), for load_from_checkpoint(hparams_file=...)."""
+    import yaml  # only this function reads YAML; the checkpoint IO above does not need it
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise CheckpointError(f"hparams_file {str(path)!r} cannot be read as YAML: {err}".splitlines()[0]) from err
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"hparams_file {str(path)!r} holds a {type(loaded).__name__}, not a mapping of "
+                              "hyperparameters.")
+    return loaded
+
+
 def saved_position(path: Path, resumable: bool = True) -> tuple[int, int, int] | None:
     """How far the run had trained when `path` was saved (global step, epochs done, batches into the next),
     read without reading its tensors; None for a checkpoint that holds no position, or (`resumable`) that no

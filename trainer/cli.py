@@ -287,7 +287,7 @@ def _show_predictions(outputs: list[Any], trainer: Any) -> None:
     from torchyard.trainer.checkpoint import save_checkpoint_file
 
     # On the host, so the file loads anywhere without a map_location.
-    path = save_checkpoint_file(move_to_device(outputs, torch.device("cpu")), trainer.log_dir / "predictions.pt")
+    path = save_checkpoint_file(move_to_device(outputs, torch.device("cpu")), Path(trainer.log_dir) / "predictions.pt")
     print(f"{len(outputs)} batches of predictions saved to {path}")
 
 

@@ -38,6 +38,9 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
 LAUNCHERS = ("auto", "ray")
 _RAY_ADDRESS = re.compile(r"^[^\s:/]+:\d+$")  # the head node's GCS, as `ray start --head` prints it
+PROFILERS = ("simple", "advanced", "pytorch")
+#: What barebones=True turns off, as in Lightning.
+BAREBONES_OFF = ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary")
 
 
 def _opt(default: Any, help: str, shown_type: str | None = None) -> Any:
@@ -144,6 +147,20 @@ class TrainerConfig:
         "'local' (a new local cluster); unset: 'auto' where there is such a cluster, else 'local'.",
         shown_type="str",
     )
+    min_steps: Any = _opt(None, "Train at least this many optimizer steps, even if a callback asks to stop "
+                          "(max_epochs and max_steps still end the fit).", shown_type="int")
+    overfit_batches: Any = _opt(0.0, "Train and validate on the same first batches of the training and validation "
+                                "loaders every epoch, unshuffled: a fraction (float) or a count (int); 0: off.")
+    profiler: Any = _opt(None, f"Time the fit and print a summary at its end: {', '.join(PROFILERS)}, or a profiler "
+                         "from torchyard.callbacks.profilers; unset: none.", shown_type="str")
+    sync_batchnorm: bool = _opt(False, "Turn BatchNorm layers into torch.nn.SyncBatchNorm (statistics over every "
+                                "data-parallel process; needs CUDA devices).")
+    use_distributed_sampler: bool = _opt(True, "Shard, seed and resume the loaders' samplers per rank; False: use "
+                                         "each loader as given (shard it yourself; a resume restarts its epoch).")
+    barebones: bool = _opt(False, "Run the loop alone, as in Lightning: no loggers, checkpoints, progress bar or "
+                           "model summary (setting one of them on too is an error).")
+    enable_autolog_hparams: bool = _opt(True, "Give the loggers the module's and datamodule's hparams at the "
+                                        "start of each stage.")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -244,12 +261,55 @@ def option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainerConfig)]
 
 
+#: Lightning 1.x Trainer options that Lightning 2 removed, with their 2.x spelling (which ported code should use).
+REMOVED_OPTIONS = {
+    "gpus": "accelerator='gpu', devices=N",
+    "tpu_cores": "accelerator='tpu', devices=N (TPUs are not supported here)",
+    "ipus": "accelerator='ipu', devices=N (IPUs are not supported here)",
+    "num_processes": "devices=N (with strategy='ddp')",
+    "auto_select_gpus": "devices='auto'",
+    "progress_bar_refresh_rate": "callbacks=[TQDMProgressBar(refresh_rate=N)], or enable_progress_bar=False",
+    "weights_summary": "enable_model_summary, or callbacks=[ModelSummary(max_depth=N)]",
+    "checkpoint_callback": "enable_checkpointing",
+    "resume_from_checkpoint": "trainer.fit(model, ckpt_path=...)",
+    "flush_logs_every_n_steps": "the logger's own flush setting (CSVLogger(flush_logs_every_n_steps=N))",
+    "stochastic_weight_avg": "callbacks=[StochasticWeightAveraging(...)]",
+    "terminate_on_nan": "detect_anomaly=True, or nonfinite_loss='error' (the default here)",
+    "auto_lr_find": "Tuner(trainer).lr_find(model)",
+    "auto_scale_batch_size": "Tuner(trainer).scale_batch_size(model)",
+    "track_grad_norm": "logging torch.nn.utils.get_total_norm of the gradients in on_before_optimizer_step",
+    "replace_sampler_ddp": "use_distributed_sampler",
+    "multiple_trainloader_mode": "CombinedLoader(loaders, mode=...) as the train_dataloaders",
+    "reload_dataloaders_every_epoch": "reload_dataloaders_every_n_epochs=1",
+    "distributed_backend": "strategy",
+    "amp_backend": "precision='16-mixed' (torch.amp is the only backend)",
+    "amp_level": "precision='16-mixed' (torch.amp is the only backend)",
+    "move_metrics_to_cpu": "nothing (remove it; logged values are kept on their device)",
+    "log_gpu_memory": "callbacks=[DeviceStatsMonitor()]",
+    "process_position": "callbacks=[TQDMProgressBar(process_position=N)]",
+    "prepare_data_per_node": "the DataModule attribute prepare_data_per_node",
+    "truncated_bptt_steps": "manual optimization that splits the sequence in training_step",
+    "weights_save_path": "default_root_dir, or ModelCheckpoint(dirpath=...)",
+}
+
+
 def make_config(options: dict[str, Any]) -> TrainerConfig:
-    """TrainerConfig from keyword options; an unknown key names the closest valid ones."""
+    """TrainerConfig from keyword options; an unknown key names the closest valid ones, a Lightning 1.x option
+    its 2.x spelling."""
     names = option_names()
     for key in options:
+        if key in REMOVED_OPTIONS:
+            raise MisconfigurationError(
+                f"trainer option {key!r} was removed in Lightning 2.0; use {REMOVED_OPTIONS[key]} instead."
+            )
         if key not in names:
             raise MisconfigurationError(f"unknown trainer option {key!r}{closest(key, names)}.")
+    if options.get("barebones"):
+        turned_on = [key for key in BAREBONES_OFF if options.get(key) not in (None, False)]
+        if turned_on:
+            raise MisconfigurationError(f"barebones=True runs without {', '.join(BAREBONES_OFF)}, but "
+                                        f"{', '.join(f'{k}={options[k]!r}' for k in turned_on)} was given; drop one.")
+        options = {**options, **dict.fromkeys(BAREBONES_OFF, False)}
     return TrainerConfig(**options)
 
 
@@ -291,8 +351,9 @@ def precision_name(precision: Any) -> str:
 INT_OPTIONS = ("max_steps", "min_epochs", "check_val_every_n_epoch", "reload_dataloaders_every_n_epochs",
                "num_sanity_val_steps", "accumulate_grad_batches", "log_every_n_steps", "devices", "num_nodes",
                "lr_warmup_steps", "max_restarts")
+OPTIONAL_INT_OPTIONS = ("min_steps",)
 LIMIT_OPTIONS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-                 "val_check_interval")
+                 "val_check_interval", "overfit_batches")
 
 
 def validate(config: TrainerConfig) -> None:
@@ -307,6 +368,9 @@ def validate(config: TrainerConfig) -> None:
     for key in INT_OPTIONS:
         value = getattr(config, key)
         _need(_is_int(value), f"trainer option {key}={value!r} must be an integer.")
+    for key in OPTIONAL_INT_OPTIONS:
+        value = getattr(config, key)
+        _need(value is None or (_is_int(value) and value >= 0), f"{key}={value!r} must be an integer >= 0 or unset.")
     _validate_counts(config)
     _validate_choices(config)
     _validate_limits(config)
@@ -352,6 +416,9 @@ def _validate_choices(config: TrainerConfig) -> None:
           f"benchmark={config.benchmark!r} must be true, false or unset.")
     _need(not (config.benchmark and config.deterministic), "benchmark=True lets cuDNN pick algorithms by speed, which "
           "deterministic=True rules out; set one of them.")
+    profiler = config.profiler
+    _need(profiler is None or not isinstance(profiler, str) or profiler in PROFILERS,
+          f"profiler={profiler!r} is not known; use one of {', '.join(PROFILERS)}, a profiler object, or unset.")
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
         known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")

@@ -22,11 +22,13 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from torchyard.trainer.combined import CombinedLoader, as_loader_list, training_loader
 from torchyard.trainer.environment import usable_cores
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import BatchTransferHooks, HyperparametersMixin, TrainModule, overridden
 
 if TYPE_CHECKING:
+    from torchyard.trainer.config import TrainerConfig
     from torchyard.trainer.strategies.base import Strategy
     from torchyard.trainer.trainer import Trainer
 
@@ -292,8 +294,11 @@ def prepare_loader(
     return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
 
 
-def set_epoch(loader: DataLoader, epoch: int) -> None:
+def set_epoch(loader: DataLoader | CombinedLoader, epoch: int) -> None:
     """Reseed the loader's order (and, where the trainer owns it, its worker-seed generator) for `epoch`."""
+    if isinstance(loader, CombinedLoader):
+        loader.set_epoch(epoch, set_epoch)
+        return
     seed = getattr(loader.batch_sampler, "generator_seed", None)
     if seed is not None and loader.generator is not None:
         loader.generator.manual_seed(seed + epoch)
@@ -305,7 +310,7 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
 
 def skip_batches(loader: DataLoader, count: int) -> bool:
     """Make the next pass over `loader` start at batch `count`; False when the loader cannot skip cheaply."""
-    if isinstance(loader.batch_sampler, ResumableBatchSampler):
+    if isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
         loader.batch_sampler.skip = count
         return True
     return count == 0
@@ -378,17 +383,6 @@ def _timed_head(batches: Iterator[Any], window: int, report: Callable[[float, fl
         report(waited / (time.perf_counter() - started), waited / measured)
 
 
-def as_loader_list(loaders: Any, what: str) -> list[DataLoader]:
-    """Normalise None / a loader / a list of loaders to a list, with a clear error for anything else."""
-    if loaders is None:
-        return []
-    if isinstance(loaders, DataLoader):
-        return [loaders]
-    if isinstance(loaders, (list, tuple)) and all(isinstance(item, DataLoader) for item in loaders):
-        return list(loaders)
-    raise MisconfigurationError(f"{what} must be a DataLoader or a list of them, got {type(loaders).__name__}.")
-
-
 STAGE_LOADERS = {
     "fit": "train_dataloader",
     "validate": "val_dataloader",
@@ -411,6 +405,7 @@ def stage_loaders(
     loaders: tuple[Any, ...],
     seed: int,
     datamodule_state: dict[str, Any] | None = None,
+    config: TrainerConfig | None = None,
 ) -> list[DataLoader]:
     """The stage's data, in Lightning's order: prepare_data (once per node), the datamodule's setup, then the
     module's, then the loaders (for fit: training first, then validation) from `loaders`, else the datamodule,
@@ -432,11 +427,33 @@ def stage_loaders(
             datamodule.load_state_dict(datamodule_state)
     module.setup(stage)  # layers built here are then moved, wrapped and optimized like the others
     module.configure_model()
-    return build_loaders(strategy, stage, module, datamodule, loaders, seed)
+    return build_loaders(strategy, stage, module, datamodule, loaders, seed, config)
+
+
+def prepare_for_rank(strategy: Strategy, loader: Any, train: bool, seed: int, config: TrainerConfig | None) -> Any:
+    """`loader` (each of a CombinedLoader's) as `strategy` shards it for this rank; as given where the config says
+    use_distributed_sampler=False, unshuffled for overfit_batches."""
+    if isinstance(loader, CombinedLoader):
+        return loader.map(lambda each: prepare_for_rank(strategy, each, train, seed, config))
+    if config is not None and train and config.overfit_batches:
+        loader = _unshuffled(loader)
+    if config is not None and not config.use_distributed_sampler:
+        return loader
+    return strategy.prepare_loader(loader, train, seed)
+
+
+def _unshuffled(loader: DataLoader) -> DataLoader:
+    """`loader` in its dataset's order (overfit_batches trains on the same first batches each epoch)."""
+    if not isinstance(loader.sampler, RandomSampler) or loader.batch_size is None:
+        return loader
+    warnings.warn("overfit_batches trains on the same batches every epoch, so the shuffling training dataloader is "
+                  "read in order, as in Lightning.", stacklevel=4)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last,
+                      **loader_kwargs(loader, None))
 
 
 def build_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodule: DataModule | None,
-                  loaders: tuple[Any, ...], seed: int) -> list[DataLoader]:
+                  loaders: tuple[Any, ...], seed: int, config: TrainerConfig | None = None) -> list[DataLoader]:
     """The stage's loaders (for fit: training first), from `loaders`, else the datamodule's hooks, else the
     module's, each prepared for this rank; called again for reload_dataloaders_every_n_epochs."""
     names = ["train_dataloader", "val_dataloader"] if stage == "fit" else [STAGE_LOADERS[stage]]
@@ -447,14 +464,14 @@ def build_loaders(strategy: Strategy, stage: str, module: TrainModule, datamodul
         loaders = tuple(loader if loader is not None or hook is None else hook()
                         for loader, hook in itertools.zip_longest(loaders, hooks))
     if stage == "fit":
-        train = as_loader_list(loaders[0], "train_dataloaders")
-        if len(train) != 1:
-            raise MisconfigurationError("fit takes exactly one training DataLoader.")
+        if loaders[0] is None:
+            raise MisconfigurationError("fit needs training data: train_dataloaders, a datamodule's or the module's "
+                                        "train_dataloader().")
         val = as_loader_list(loaders[1] if len(loaders) > 1 else None, "val_dataloaders")
-        named = [("training", train[0])] + [("validation", v) for v in val]
+        named = [("training", training_loader(loaders[0]))] + [("validation", v) for v in val]
     else:
         named = [(_LOADER_NAMES[stage], loader) for loader in as_loader_list(loaders[0], f"{stage} dataloaders")]
-    prepared = [strategy.prepare_loader(loader, what == "training", seed) for what, loader in named]
+    prepared = [prepare_for_rank(strategy, loader, what == "training", seed, config) for what, loader in named]
     for (what, _), loader in zip(named, prepared) if strategy.is_global_zero else ():
         warning = worker_oversubscription(loader, what, strategy.environment.local_world_size)
         if warning is not None:

@@ -1,10 +1,12 @@
-"""Metric writers: the Logger base (a run's version folder), CSVLogger and TensorBoardLogger."""
+"""Metric writers: the Logger base (a run's version folder), CSVLogger, TensorBoardLogger and MLFlowLogger; the
+import path of Lightning's `lightning.pytorch.loggers`."""
 
 from __future__ import annotations
 
 import csv
 import io
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,8 +55,17 @@ class Logger:
         return self.save_dir / self.name / version_folder(self.version)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None: ...
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
+        """Record the run's hyperparameters (and, as in Lightning, optional metrics that go with them)."""
     def save(self) -> None: ...
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """Called on rank 0 after a ModelCheckpoint saved (Lightning's hook), e.g. to upload the files."""
+
+    @property
+    def experiment(self) -> Any:
+        """The object this logger writes through, for what it has no method of its own for (as in Lightning)."""
+        return self
     def finalize(self) -> None:
         self.save()
         claim = getattr(self, "_claim", None)  # a subclass may not call Logger.__init__
@@ -142,9 +153,16 @@ class CSVLogger(Logger):
         if len(self.rows) - self._written >= self.flush_logs_every_n_steps:
             self.save()
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
+        if metrics:
+            self.log_metrics(metrics, step=0)
+
+    @property
+    def experiment(self) -> CSVExperiment:
+        """Lightning's CSV experiment writer: log_metrics(metrics, step), log_hparams(params), save()."""
+        return CSVExperiment(self)
 
     def save(self) -> None:
         if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
@@ -208,6 +226,34 @@ class CSVLogger(Logger):
             self._columns, self._written = [], 0
 
 
+class CSVExperiment:
+    """What Lightning's CSVLogger.experiment offers (its experiment writer), writing through a CSVLogger."""
+
+    def __init__(self, logger: CSVLogger) -> None:
+        self.logger = logger
+
+    @property
+    def log_dir(self) -> str:
+        return str(self.logger.log_dir)
+
+    @property
+    def metrics_file_path(self) -> str:
+        return str(self.logger.metrics_path)
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        return self.logger.rows
+
+    def log_metrics(self, metrics_dict: Mapping[str, float], step: int | None = None) -> None:
+        self.logger.log_metrics(metrics_dict, len(self.logger.rows) if step is None else step)
+
+    def log_hparams(self, params: Mapping[str, Any]) -> None:
+        self.logger.log_hyperparams(params)
+
+    def save(self) -> None:
+        self.logger.save()
+
+
 class TensorBoardLogger(Logger):
     """Event files for TensorBoard, through torch's SummaryWriter (needs the tensorboard package)."""
 
@@ -234,8 +280,22 @@ class TensorBoardLogger(Logger):
         for key, value in self.prefixed(metrics).items():
             self.writer.add_scalar(key, value, step)
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
+        """The hparams as text, and with `metrics` also in TensorBoard's HPARAMS tab (its hparams plugin)."""
         self.writer.add_text("hparams", hparams_yaml(params))
+        if metrics:
+            from torch.utils.tensorboard.summary import hparams
+
+            plain = {key: value if isinstance(value, (bool, int, float, str)) else str(value)
+                     for key, value in params.items()}
+            for summary in hparams(plain, dict(metrics)):
+                self.writer.file_writer.add_summary(summary)
+            self.log_metrics(metrics, step=0)
+
+    @property
+    def experiment(self) -> Any:
+        """torch's SummaryWriter, as Lightning's TensorBoardLogger.experiment."""
+        return self.writer
 
     def save(self) -> None:
         if self._writer is not None:
@@ -245,3 +305,112 @@ class TensorBoardLogger(Logger):
         state = self.__dict__.copy()
         state["_writer"] = None  # SummaryWriter holds a thread and a file: re-open in the worker
         return state
+
+
+class MLFlowLogger(Logger):
+    """Metrics, hyperparameters and (with `log_model`) checkpoints in an MLflow tracking store, as Lightning's
+    MLFlowLogger: `tracking_uri` is a server (http://...), a database (sqlite:///mlflow.db) or a folder (unset:
+    `save_dir`). Needs mlflow: pip install 'torchyard[mlflow]'. `log_model`: True uploads the checkpoints at the
+    end of the fit, "all" after each save, False none. `experiment` is an mlflow.tracking.MlflowClient."""
+
+    def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
+                 tracking_uri: str | None = None, tags: Mapping[str, Any] | None = None,
+                 save_dir: str | Path = "./mlruns", log_model: bool | str = False, prefix: str = "",
+                 artifact_location: str | None = None, run_id: str | None = None) -> None:
+        try:
+            import mlflow  # noqa: F401  (checked here: a missing extra is a one-line error when the logger is built)
+        except ImportError as err:
+            raise MisconfigurationError("MLFlowLogger needs mlflow: pip install 'torchyard[mlflow]'.") from err
+        if log_model not in (True, False, "all"):
+            raise MisconfigurationError(f"MLFlowLogger(log_model={log_model!r}); use True, False or 'all'.")
+        super().__init__(save_dir, experiment_name, run_id, prefix)
+        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or Path(save_dir).absolute().as_uri()
+        self.run_name, self.tags, self.log_model = run_name, dict(tags or {}), log_model
+        self.artifact_location = artifact_location
+        self._client: Any = None
+        self._experiment_id: str | None = None
+        self._checkpoint_callback: Any = None
+        self._uploaded: set[str] = set()
+
+    @property
+    def experiment(self) -> Any:
+        """The MlflowClient, with this run created on first use (rank 0 only uses it)."""
+        if self._client is None:
+            from mlflow.tracking import MlflowClient  # the optional extra, imported only when a run logs to it
+
+            self._client = MlflowClient(self.tracking_uri)
+        if self._version is None:
+            found = self._client.get_experiment_by_name(self.name)
+            self._experiment_id = (found.experiment_id if found is not None else
+                                   self._client.create_experiment(self.name, artifact_location=self.artifact_location))
+            tags = {**self.tags, **({"mlflow.runName": self.run_name} if self.run_name else {})}
+            self._version = self._client.create_run(self._experiment_id, tags=tags).info.run_id
+        return self._client
+
+    @property
+    def run_id(self) -> str:
+        self.experiment  # noqa: B018  (creates the run where there is none yet)
+        return str(self._version)
+
+    @property
+    def experiment_id(self) -> str | None:
+        if self._experiment_id is None:
+            self._experiment_id = self.experiment.get_run(self.run_id).info.experiment_id
+        return self._experiment_id
+
+    @property
+    def version(self) -> int | str:
+        return self.run_id
+
+    @version.setter
+    def version(self, value: int | str) -> None:
+        self._version = value
+
+    @property
+    def log_dir(self) -> Path:
+        """Where this run's local files go (its checkpoints): <save_dir>/<experiment id>/<run id>."""
+        return self.save_dir / str(self.experiment_id) / self.run_id
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        entries = [Metric(key, float(value), now, step) for key, value in self.prefixed(metrics).items()]
+        self.experiment.log_batch(self.run_id, metrics=entries)
+
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
+        from mlflow.entities import Param
+
+        entries = [Param(str(key), str(value)[:6000]) for key, value in params.items()]  # mlflow's value limit
+        self.experiment.log_batch(self.run_id, params=entries)
+        if metrics:
+            self.log_metrics(metrics, step=0)
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self._checkpoint_callback = checkpoint_callback
+        if self.log_model == "all":
+            self._upload_checkpoints()
+
+    def _upload_checkpoints(self) -> None:
+        folder = getattr(self._checkpoint_callback, "dirpath", None)
+        for path in sorted(Path(folder).glob("*.ckpt")) if folder else []:
+            key = f"{path.name}:{path.stat().st_mtime_ns}"
+            if key not in self._uploaded:
+                self.experiment.log_artifact(self.run_id, str(path), artifact_path="checkpoints")
+                self._uploaded.add(key)
+
+    def finalize(self, status: str = "FINISHED") -> None:
+        if self._version is None or self._client is None:
+            return  # nothing was logged: no run to close
+        if self.log_model is True:
+            self._upload_checkpoints()
+        self._client.set_terminated(self.run_id, status)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.run_id, "folder": self.tracking_uri}
+
+    def continues(self, state: dict[str, Any]) -> bool:
+        return state.get("folder") == self.tracking_uri
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None}  # a client holds connections: built again where it is used

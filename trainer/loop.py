@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchyard.trainer.batches import batch_limit, epoch_batches, val_every, validates_after
+from torchyard.trainer.combined import CombinedLoader
 from torchyard.trainer.data import (
     batch_mover,
     data_wait_advice,
@@ -24,6 +25,7 @@ from torchyard.trainer.data import (
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.faults import StepGuard
 from torchyard.trainer.loop_state import Progress
+from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import SchedulerConfig, step_scheduler
 from torchyard.trainer.predictions import merge_prediction_shares, recording_batch_indices, shard_batches
 from torchyard.trainer.rng import rng_state, seeded, set_rng_state
@@ -100,6 +102,9 @@ class FitEpochs:
     def start_epoch(self) -> None:
         """Reload the loaders where due, skip the batches a resumed epoch trained already, on_train_epoch_start."""
         self._reload_loaders_if_due()
+        if self.module.automatic_optimization:  # a GradientAccumulationScheduler may change it from epoch to epoch
+            self.window = self.trainer.accumulate_grad_batches
+            self.train_step.set_accumulation(self.window)
         self.module.train()
         set_epoch(self.train_loader, self.progress.epoch)
         self._skip_trained_batches()
@@ -142,6 +147,7 @@ class FitEpochs:
             train_step, guard, step_limit, val_every, window = (self.train_step, self.guard, self.step_limit,
                                                                 self.val_every, self.window)
             for batch_idx, batch, is_last in self._batches():
+                state.is_last_batch = is_last
                 if train_step(batch, batch_idx, is_last):
                     return True  # on_train_batch_start returned -1: the epoch ends here and counts as done
                 finished = is_last and progress.epoch_batches == batch_idx + 1
@@ -151,14 +157,16 @@ class FitEpochs:
                     self._validate_mid_epoch()
                 guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
                 # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
-                if steps_done or state.should_stop and progress.epoch >= config.min_epochs:
+                if steps_done or state.should_stop and _stop_allowed(progress, config):
                     return finished
         if progress.epoch_batches == 0:
             raise MisconfigurationError("the training dataloader yielded no batches in this epoch.")
         return True
 
     def _batches(self) -> Iterable[tuple[int, Any, bool]]:
-        batches = epoch_batches(self.train_loader, self.progress.epoch_batches, self.num_batches)
+        loader = self.train_loader
+        source = loader.batches() if isinstance(loader, CombinedLoader) else loader
+        batches = epoch_batches(source, self.progress.epoch_batches, self.num_batches)
         if self.watch_data:
             batches = measure_data_wait(batches, functools.partial(_report_data_wait, self.trainer))
             self.watch_data = False
@@ -220,6 +228,12 @@ def _use_loaders(trainer: Trainer, val_loaders: list[DataLoader]) -> tuple[int |
         )
     if config.limit_val_batches == 0:
         val_loaders = []  # validation turned off, sanity check included, as in Lightning
+    if val_loaders and type(trainer.module).validation_step is TrainModule.validation_step:
+        if trainer.is_global_zero:
+            warnings.warn(f"validation dataloaders were given, but {type(trainer.module).__name__} has no "
+                          "validation_step, so the fit does not validate (as in Lightning); define validation_step "
+                          "or drop the loaders.", stacklevel=5)
+        val_loaders = []
     trainer.loop_state.val_dataloaders = val_loaders
     return num_batches, val_loaders, val_every(config.val_check_interval, num_batches)
 
@@ -271,7 +285,12 @@ def _done(trainer: Trainer, max_epochs: int) -> bool:
     progress, config = trainer.progress, trainer.config
     if _steps_done(trainer) or (max_epochs != -1 and progress.epoch >= max_epochs):
         return True
-    return trainer.should_stop and progress.epoch >= config.min_epochs
+    return trainer.should_stop and _stop_allowed(progress, config)
+
+
+def _stop_allowed(progress: Progress, config: Any) -> bool:
+    """Whether a callback's request to stop may end the fit: min_epochs whole epochs and min_steps steps are done."""
+    return progress.epoch >= config.min_epochs and progress.global_step >= (config.min_steps or 0)
 
 
 def _validate_if_due(trainer: Trainer, val_loaders: list[DataLoader], keep_rng: bool = False) -> None:

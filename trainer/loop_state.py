@@ -46,6 +46,7 @@ class LoopState:
     progress: Progress = field(default_factory=Progress)
     should_stop: bool = False  # set by callbacks (EarlyStopping, Timer): the fit ends at the next chance
     sanity_checking: bool = False
+    is_last_batch: bool = False  # the training batch being run is its epoch's last
     train_dataloader: DataLoader | None = None  # this rank's training loader, during fit
     val_dataloaders: list[DataLoader] = field(default_factory=list)  # and the ones it validates on (none: off)
     num_training_batches: int | float = 0

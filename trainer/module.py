@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,77 +12,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from torchyard.trainer.batches import move_to_device
-from torchyard.trainer.checkpoint import load_checkpoint_file, weights_mismatch
+from torchyard.trainer.checkpoint import load_checkpoint_file, load_hparams_file, weights_mismatch
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest
+from torchyard.trainer.hparams import AttributeDict, constructor_parameters, init_args
 from torchyard.trainer.optim import CLIP_ALGORITHMS
 
 if TYPE_CHECKING:
     from torchyard.callbacks.base import Callback
     from torchyard.trainer.trainer import Trainer
-
-
-def constructor_parameters(
-    cls: type, argless_bases: tuple[type, ...]
-) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
-    """{name: (parameter, type hint)} an instance can be built with, following **kwargs up the MRO.
-
-    The second value is True when the class accepts any keyword: its **kwargs never reach a parent
-    that would check them (they stop at one of `argless_bases`, whose __init__ takes no user arguments).
-    """
-    found: dict[str, tuple[inspect.Parameter, Any]] = {}
-    followed_kwargs = False
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        if klass in argless_bases:
-            return found, followed_kwargs
-        try:
-            hints = typing.get_type_hints(init)
-        except Exception:  # an annotation that does not evaluate: skip type checks, keep the names
-            hints = {}
-        signature = inspect.signature(init)
-        for name, parameter in list(signature.parameters.items())[1:]:
-            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
-                found.setdefault(name, (parameter, hints.get(name)))
-        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-            return found, False
-        followed_kwargs = True
-    return found, True
-
-
-class AttributeDict(dict):
-    """A dict whose keys read as attributes: `self.hparams.lr`."""
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self[key]
-        except KeyError as err:
-            raise AttributeError(f"hparams has no {key!r}; it holds {sorted(self)}") from err
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        self[key] = value
-
-
-def init_args(
-    frame: Any, owner: Any, names: tuple[str, ...] = (), ignore: list[str] | str | None = None
-) -> dict[str, Any]:
-    """The arguments of the __init__ running in `frame` and of every __init__ of `owner` that called it (a
-    subclass's, through super().__init__), which save_hyperparameters keeps. The outermost call's values win:
-    they are what rebuilding the same class takes."""
-    values: dict[str, Any] = {}
-    first = frame
-    while frame is not None and (
-        frame is first or frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is owner
-    ):
-        args = inspect.getargvalues(frame)
-        own = {name: args.locals[name] for name in args.args if name != "self"}
-        if args.keywords:
-            own.update(args.locals[args.keywords])
-        values.update(own)
-        frame = frame.f_back
-    ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-    return {k: v for k, v in values.items() if k not in ignored and k != "__class__" and (not names or k in names)}
 
 
 class HyperparametersMixin:
@@ -92,11 +28,14 @@ class HyperparametersMixin:
     def save_hyperparameters(self, *names: Any, ignore: list[str] | str | None = None) -> None:
         """Store the caller's __init__ arguments in `self.hparams` (and in every checkpoint): all of them, the
         ones named, or, given one mapping or Namespace, its items."""
+        frame = inspect.currentframe()
         if len(names) == 1 and not isinstance(names[0], str):
             given = names[0]
             self.hparams.update(given if isinstance(given, Mapping) else vars(given))
+            caller = frame.f_back.f_locals if frame and frame.f_back else {}
+            self._hparams_name = next((name for name, value in caller.items() if value is given and name != "self"),
+                                      None)  # the __init__ argument load_from_checkpoint gives them to again
             return
-        frame = inspect.currentframe()
         self.hparams.update(init_args(frame.f_back if frame else None, self, names, ignore))
 
     @property
@@ -146,6 +85,9 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
 
     #: Set to False to call `self.optimizers()`, `self.manual_backward()` and `opt.step()` yourself.
     automatic_optimization: bool = True
+    #: False: a checkpoint's weights load with strict=False (fit(ckpt_path=...), load_from_checkpoint), as in
+    #: Lightning, for a module that saves only part of its weights.
+    strict_loading: bool = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -318,6 +260,11 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         return torch.device("cpu")
 
     @property
+    def on_gpu(self) -> bool:
+        """Whether the module's parameters are on a GPU."""
+        return self.device.type == "cuda"
+
+    @property
     def global_rank(self) -> int:
         """This process's rank in the whole job (0 without a trainer)."""
         return self._trainer.global_rank if self._trainer is not None else 0
@@ -441,13 +388,14 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
 
     # ----------------------------------------------------------------- checkpoints
     @classmethod
-    def load_from_checkpoint(
-        cls, checkpoint_path: str | Path, map_location: Any = "cpu", strict: bool = True, **hparam_overrides: Any
-    ) -> TrainModule:
-        """Build the module from the checkpoint's hparams (overridable) and load its weights.
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, map_location: Any = "cpu",
+                             hparams_file: str | Path | None = None, strict: bool | None = None,
+                             **hparam_overrides: Any) -> TrainModule:
+        """Build the module from the checkpoint's hparams (those of `hparams_file`, a YAML file, win over them;
+        keyword overrides win over both) and load its weights (`strict` unset: the module's strict_loading).
 
         As in Lightning, saved hparams that `__init__` does not take (set on `self.hparams` later, or a
-        parent's) are left out; keyword overrides win over the saved values.
+        parent's) are left out; hparams saved from one namespace go back to the argument that held it.
         """
         parameters, takes_any = constructor_parameters(cls, (object, nn.Module, TrainModule))
         for key in hparam_overrides:
@@ -457,22 +405,25 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
                     f"{closest(key, parameters)}; it takes {', '.join(parameters) or 'no arguments'}."
                 )
         checkpoint = load_checkpoint_file(checkpoint_path, map_location=map_location)
-        saved = {
-            key: value
-            for key, value in checkpoint.get("hparams", checkpoint.get("hyper_parameters", {})).items()
-            if takes_any or key in parameters
-        }
+        stored = dict(checkpoint.get("hparams", checkpoint.get("hyper_parameters", {})))
+        from_file = load_hparams_file(hparams_file) if hparams_file is not None else {}
+        stored.update(from_file)
         for key in checkpoint.get("hparams_repr", ()):  # older checkpoints do not record them
-            if key in saved and key not in hparam_overrides:
+            if key in stored and key not in hparam_overrides and key not in from_file:
                 raise MisconfigurationError(
-                    f"checkpoint {str(checkpoint_path)!r} holds hparams[{key!r}] only as its repr {saved[key]!r} (it "
+                    f"checkpoint {str(checkpoint_path)!r} holds hparams[{key!r}] only as its repr {stored[key]!r} (it "
                     f"was not plain data when saved); pass the value again: "
                     f"{cls.__name__}.load_from_checkpoint(path, {key}=...)."
                 )
+        namespace = checkpoint.get("hparams_name")
+        if namespace in parameters:
+            saved: dict[str, Any] = {namespace: AttributeDict(stored)}
+        else:
+            saved = {key: value for key, value in stored.items() if takes_any or key in parameters}
         module = cls(**{**saved, **hparam_overrides})
         module.on_load_checkpoint(checkpoint)
         try:
-            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            module.load_state_dict(checkpoint["state_dict"], strict=module.strict_loading if strict is None else strict)
         except RuntimeError as err:  # torch lists every key; say what differs in one line
             differences = weights_mismatch(module.state_dict(), checkpoint["state_dict"], err)
             raise CheckpointError(

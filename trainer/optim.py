@@ -59,12 +59,18 @@ def _scheduler_config(item: Any, monitor: str | None = None) -> SchedulerConfig:
         )
     if config.interval not in ("step", "epoch"):
         raise MisconfigurationError(f"lr_scheduler interval={config.interval!r}; use 'step' or 'epoch'.")
-    if config.reduce_on_plateau and config.monitor is None:
-        raise MisconfigurationError(
-            f"{type(config.scheduler).__name__} steps on a monitored value: it needs a 'monitor' "
-            "key naming a logged metric."
-        )
     return config
+
+
+def check_monitors(schedulers: list[SchedulerConfig]) -> None:
+    """Under automatic optimization the Trainer steps a plateau scheduler with its monitored value, so it needs a
+    monitor (under manual optimization the user steps it with a value of their own, as in Lightning)."""
+    for config in schedulers:
+        if config.reduce_on_plateau and config.monitor is None:
+            raise MisconfigurationError(
+                f"{type(config.scheduler).__name__} steps on a monitored value: it needs a 'monitor' "
+                "key naming a logged metric."
+            )
 
 
 def is_torch_scheduler(scheduler: Any) -> bool:
@@ -297,6 +303,10 @@ class ManualOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+#: Lightning's name for the optimizer wrapper that manual optimization hands out (isinstance checks, type hints).
+LightningOptimizer = ManualOptimizer
 
 
 class HookOptimizer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from torch.optim import Optimizer
 
 from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 from torchyard.callbacks.base import Callback
+from torchyard.callbacks.profilers import Profiler, build_profiler
 from torchyard.trainer.config import TrainerConfig, dump_yaml, save_run_config
 from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
 from torchyard.trainer.errors import MisconfigurationError
@@ -22,6 +24,7 @@ from torchyard.trainer.optim import (
     LRScaler,
     SchedulerConfig,
     check_closure_optimizer,
+    check_monitors,
     is_torch_scheduler,
     parse_optimizers,
 )
@@ -42,6 +45,14 @@ def apply_fast_dev_run(config: TrainerConfig) -> TrainerConfig:
         limit_test_batches=runs, limit_predict_batches=runs, num_sanity_val_steps=0, val_check_interval=1.0,
         enable_checkpointing=False, logger=False,
     )
+
+def apply_overfit_batches(config: TrainerConfig) -> TrainerConfig:
+    """`config` as overfit_batches=n runs it: the first n (or share n of the) training and validation batches."""
+    overfit = config.overfit_batches
+    if not overfit:
+        return config
+    return dataclasses.replace(config, limit_train_batches=overfit, limit_val_batches=overfit)
+
 
 def build_loggers(config: TrainerConfig, spec: Any) -> list[Logger]:
     """The loggers the `logger` option names (True and 'csv': a CSVLogger), none under fast_dev_run."""
@@ -83,8 +94,24 @@ def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> 
             raise MisconfigurationError("max_time and a Timer callback both time the run; give the budget to one of "
                                         "them (Timer(duration=...) or max_time).")
         callbacks.append(Timer(duration=config.max_time))
+    profiler = build_profiler(config.profiler)
+    if profiler is not None and not any(isinstance(c, Profiler) for c in callbacks):
+        callbacks.append(profiler)
     _check_state_keys(callbacks)
     return _checkpointing_last(callbacks)
+
+
+def check_sync_batchnorm(config: TrainerConfig, processes: int, device_type: str) -> None:
+    """sync_batchnorm needs several processes (else it does nothing: a warning) on CUDA (torch's SyncBatchNorm has
+    no CPU kernel: an error, before any process starts)."""
+    if not config.sync_batchnorm:
+        return
+    if processes == 1:
+        warnings.warn("sync_batchnorm=True has no effect on one process: there are no other batch statistics to "
+                      "synchronise with.", stacklevel=3)
+    elif device_type != "cuda":
+        raise MisconfigurationError("sync_batchnorm=True needs CUDA devices: torch's SyncBatchNorm has no CPU kernel; "
+                                    "drop it (each process then normalises with its own batch statistics).")
 
 
 def module_callbacks(trainer: Trainer, module: TrainModule) -> list[Callback]:
@@ -227,6 +254,7 @@ def build_optimizers(trainer: Trainer, module: TrainModule) -> tuple[list[Optimi
             f"{type(module).__name__}.lr_scheduler_step(self, scheduler, metric) to step it, as in Lightning.")
     if module.automatic_optimization:
         check_closure_optimizer(optimizers, config.accumulate_grad_batches, config.precision)
+        check_monitors(schedulers)
     optimizers = strategy.setup_optimizers(optimizers)
     workers = strategy.data_parallel_size * config.accumulate_grad_batches
     lr_scaler = LRScaler(config.lr_scaling, workers, config.lr_warmup_steps)
@@ -278,14 +306,15 @@ def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: 
 def write_run_files(trainer: Trainer) -> None:
     """hparams.yaml (through the loggers) and the recipe's config.yaml in the run folder. Written once the
     stage's checkpoint, if any, has been restored: a refused one leaves a resumed run's files as they were."""
-    if trainer.is_global_zero and trainer.module is not None and trainer.loggers:
+    autolog = trainer.config.enable_autolog_hparams
+    if trainer.is_global_zero and trainer.module is not None and trainer.loggers and autolog:
         hparams = logged_hparams(trainer.module, trainer.datamodule)
         for logger in trainer.loggers:
             if getattr(logger, "evaluation_stage", None) is None:  # an evaluated run keeps its own hparams.yaml
                 logger.log_hyperparams(hparams)
     if trainer.is_global_zero and trainer.run_config is not None and not trainer.config.fast_dev_run:
-        save_recipe_beside_earlier(trainer.log_dir, trainer.run_config, trainer.stage or "fit")
+        save_recipe_beside_earlier(Path(trainer.log_dir), trainer.run_config, trainer.stage or "fit")
     run_id = trainer.strategy.environment.run_id
     if trainer.is_global_zero and run_id is not None and trainer.stage == "fit":  # found again by a restart
-        trainer.log_dir.mkdir(parents=True, exist_ok=True)
-        (trainer.log_dir / RUN_ID_FILE).write_text(run_id)
+        Path(trainer.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(trainer.log_dir) / RUN_ID_FILE).write_text(run_id)

@@ -14,7 +14,8 @@ from torch import nn
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.data import DataModule
 from torchyard.trainer.errors import MisconfigurationError, closest
-from torchyard.trainer.module import TrainModule, constructor_parameters
+from torchyard.trainer.hparams import constructor_parameters
+from torchyard.trainer.module import TrainModule
 
 # __init__s that take no user arguments: **kwargs that would reach them are the subclass's own.
 _ARGLESS_BASES = (object, nn.Module, TrainModule, DataModule, Callback)

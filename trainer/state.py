@@ -101,7 +101,10 @@ def saved_hparams(trainer: Trainer) -> dict[str, Any]:
                 stacklevel=2,
             )
     # `hyper_parameters` is Lightning's name for the same dict (pickled once), for ported on_load_checkpoint code.
-    return {"hparams": hparams, "hyper_parameters": hparams, "hparams_repr": repr_keys}
+    # hparams_name: the __init__ argument that save_hyperparameters(namespace) was given, which load_from_checkpoint
+    # passes them to again.
+    return {"hparams": hparams, "hyper_parameters": hparams, "hparams_repr": repr_keys,
+            "hparams_name": module.__dict__.get("_hparams_name")}
 
 
 def _plain(value: Any, replaced: list[Any]) -> Any:
@@ -143,7 +146,7 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict[str, Any], full: bool)
 def restore_weights(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """The model's weights, with a one-line account of what differs where they do not fit."""
     try:
-        trainer.strategy.load_model_state_dict(checkpoint["state_dict"])
+        trainer.strategy.load_model_state_dict(checkpoint["state_dict"], strict=trainer.module.strict_loading)
     except RuntimeError as err:  # torch lists every key; say what differs in one line
         differences = weights_mismatch(trainer.module.state_dict(), checkpoint["state_dict"], err)
         raise CheckpointError(f"the checkpoint's weights do not fit {type(trainer.module).__name__}: {differences}. "

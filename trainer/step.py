@@ -60,6 +60,10 @@ class TrainStep:
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
 
+    def set_accumulation(self, micro_batches: int) -> None:
+        """Step every `micro_batches` batches from now on (the epoch's accumulate_grad_batches)."""
+        self.accumulate, self.loss_scale = micro_batches, 1.0 / micro_batches
+
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
         """True when on_train_batch_start returned -1: Lightning's convention for skipping the rest of the epoch."""
         strategy, progress = self.strategy, self.progress
@@ -91,7 +95,7 @@ class TrainStep:
             self.rows.publish_step(self.metrics.take_step_values())
         else:  # the hooks see this step's values, and the step's row also holds what they log
             self.rows.publish_step(self.metrics.take_step_values(), write=False)
-            self.on_train_batch_end(outputs, batch, batch_idx)
+            self.on_train_batch_end(batch_end_outputs(outputs), batch, batch_idx)
             self.rows.publish_step(self.metrics.take_step_values())
 
     def _skipped_batch(self, batch_idx: int, is_last: bool) -> None:
@@ -193,6 +197,16 @@ class TrainStep:
         loss = step_loss(outputs).detach()
         self.guard.check_reevaluated(loss, batch_idx)
         return outputs, loss
+
+
+def batch_end_outputs(outputs: Any) -> Any:
+    """training_step's output as on_train_batch_end gets it in Lightning: a dict whose "loss" is detached (a loss
+    returned alone becomes {"loss": ...}), so that a hook keeping it keeps no graph."""
+    if isinstance(outputs, torch.Tensor):
+        return {"loss": outputs.detach()}
+    if isinstance(outputs, dict) and isinstance(outputs.get("loss"), torch.Tensor):
+        return {**outputs, "loss": outputs["loss"].detach()}
+    return outputs
 
 
 class StepClosure:

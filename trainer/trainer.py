@@ -26,10 +26,12 @@ from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
 from torchyard.trainer.preflight import (
     apply_fast_dev_run,
+    apply_overfit_batches,
     build_loggers,
     build_optimizers,
     callback_list,
     check_inputs,
+    check_sync_batchnorm,
     datamodule_given_as_loaders,
     module_callbacks,
     one_module,
@@ -46,6 +48,7 @@ from torchyard.trainer.rng import seed_everything, set_determinism
 from torchyard.trainer.runs import RunFolder
 from torchyard.trainer.state import build_checkpoint, restore_checkpoint
 from torchyard.trainer.strategies import Strategy, build_strategy
+from torchyard.trainer.strategies.base import resolve_accelerator
 from torchyard.trainer.trainer_properties import TrainerProperties
 
 
@@ -58,13 +61,15 @@ class Trainer(TrainerProperties):
 
     def __init__(self, *, callbacks: list[Callback] | Callback | None = None, run_config: dict[str, Any] | None = None,
                  **options: Any) -> None:
-        self.config: TrainerConfig = apply_fast_dev_run(make_config(options))
+        self.config: TrainerConfig = apply_overfit_batches(apply_fast_dev_run(make_config(options)))
         # Validated here, in the calling process, before any worker starts.
-        self.strategy: Strategy = build_strategy(self.config.strategy)
+        self.strategy: Strategy = build_strategy(self.config.strategy,
+                                                 self.config.devices * self.config.num_nodes)
         self.strategy.configure(
             self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision
         )
         self.strategy.timeout = float(self.config.timeout)
+        check_sync_batchnorm(self.config, self.strategy.job_size, resolve_accelerator(self.config.accelerator))
         self.loggers: list[Logger] = build_loggers(self.config, self.config.logger)
         given = callback_list(callbacks, "callbacks must be")
         self.callbacks: list[Callback] = with_default_callbacks(self.config, given)
@@ -218,7 +223,9 @@ class Trainer(TrainerProperties):
         self._run_folder.adopt_evaluated_run(checkpoint if stage != "fit" else None, self.loggers, stage)
         self._run_folder.settle(strategy, checkpoint if stage == "fit" and checkpoint is not None else {}, self.loggers)
         prepared = stage_loaders(strategy, stage, module, datamodule, loaders, self.config.seed or 0,
-                                 checkpoint.get("datamodule") if checkpoint is not None else None)
+                                 checkpoint.get("datamodule") if checkpoint is not None else None, self.config)
+        if self.config.sync_batchnorm and strategy.data_parallel_size > 1:  # before the strategy wraps the module
+            torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         strategy.setup_module(module)
         if stage == "fit":
             self._prepare_fit(module, datamodule, prepared, loaders)
@@ -242,7 +249,7 @@ class Trainer(TrainerProperties):
         loop.train_dataloader = prepared[0]
         loop.num_training_batches = batch_limit(prepared[0], self.config.limit_train_batches)
         loop.build_fit_loaders = functools.partial(build_loaders, strategy, "fit", module, datamodule, loaders,
-                                                   self.config.seed or 0)
+                                                   self.config.seed or 0, self.config)
         loop.fit_loaders_epoch = self.progress.epoch  # before a checkpoint moves the run on
         self._setup_optimizers(module)
 

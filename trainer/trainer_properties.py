@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchyard.callbacks import EarlyStopping, ModelCheckpoint
+from torchyard.callbacks import EarlyStopping, GradientAccumulationScheduler, ModelCheckpoint
 from torchyard.callbacks.base import Callback
+from torchyard.callbacks.profilers import Profiler
 from torchyard.trainer.batches import batch_limit
 from torchyard.trainer.hooks import Hooks
 from torchyard.trainer.logging import Logger, MetricCollector
@@ -40,6 +40,7 @@ class TrainerProperties:
     predict_dataloaders = _loop_field("predict_dataloaders", "During predict: this rank's loaders.")
     predict_batch_indices = _loop_field("predict_batch_indices", "During predict: the dataset indices of the batch.")
     data_wait = _loop_field("data_wait", "(share of the time, seconds a batch) the fit waited for training batches.")
+    is_last_batch = _loop_field("is_last_batch", "Whether the training batch being run is the last of its epoch.")
     progress = _loop_field("progress", "Where the run stands (Progress): epoch, steps, batches of the epoch.")
 
     @property
@@ -180,7 +181,15 @@ class TrainerProperties:
     # Lightning's names for what this Trainer holds under its own.
     default_root_dir = _config_field("default_root_dir")
     precision = _config_field("precision")
-    accumulate_grad_batches = _config_field("accumulate_grad_batches")
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Micro-batches per optimizer step in the current epoch: a GradientAccumulationScheduler's factor, else
+        the option's."""
+        scheduler = next((c for c in self.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+        if scheduler is None:
+            return self.config.accumulate_grad_batches
+        return scheduler.get_accumulate_grad_batches(self.current_epoch)
     log_every_n_steps = _config_field("log_every_n_steps")
     max_steps = _config_field("max_steps")
 
@@ -195,16 +204,21 @@ class TrainerProperties:
         return next((c for c in self.callbacks if isinstance(c, EarlyStopping)), None)
 
     @property
-    def log_dir(self) -> Path:
-        """This run's folder: `<default_root_dir>/<name>/version_<n>`."""
+    def log_dir(self) -> str:
+        """This run's folder, `<default_root_dir>/<name>/version_<n>`, as a string (as Lightning's)."""
         if self.loggers:
-            return self.loggers[0].log_dir
-        return self._run_folder.path
+            return str(self.loggers[0].log_dir)
+        return str(self._run_folder.path)
 
     @property
     def version(self) -> int | str:
         """The run's number: log_dir is `<default_root_dir>/<name>/version_<n>`."""
         return self.loggers[0].version if self.loggers else self._run_folder.number()
+
+    @property
+    def profiler(self) -> Profiler | None:
+        """The fit's profiler (the profiler option's, or one given among the callbacks), as in Lightning."""
+        return next((c for c in self.callbacks if isinstance(c, Profiler)), None)
 
     @property
     def checkpoint_callbacks(self) -> list[Callback]:

@@ -290,9 +290,9 @@ def test_the_callers_callbacks_hold_what_rank_0s_gathered_and_refer_to_the_calle
 @pytest.mark.timeout(240)
 def test_checkpoints_hold_plain_keys_and_load_into_one_process(ddp_run):
     module, trainer, root = ddp_run
-    folder = trainer.log_dir / "checkpoints"
+    folder = Path(trainer.log_dir) / "checkpoints"
     assert sorted(p.name for p in folder.glob("*.ckpt")) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
-    assert trainer.log_dir.parent == root / "default"
+    assert Path(trainer.log_dir).parent == root / "default"
     saved = torch.load(folder / "last.ckpt", weights_only=True)
     assert_same_weights(saved["state_dict"], module.state_dict(), atol=0)
     # The ddp checkpoint in a single-device run: the same weights, the same validation loss.
@@ -305,7 +305,7 @@ def test_checkpoints_hold_plain_keys_and_load_into_one_process(ddp_run):
 def test_resuming_a_ddp_run_lands_on_the_uninterrupted_weights(ddp_run, tmp_path):
     module, trainer, _ = ddp_run
     resumed = Net()  # fresh weights: everything must come from the checkpoint
-    ddp_trainer(tmp_path).fit(resumed, *loaders(), ckpt_path=trainer.log_dir / "checkpoints" / "epoch=0.ckpt")
+    ddp_trainer(tmp_path).fit(resumed, *loaders(), ckpt_path=Path(trainer.log_dir) / "checkpoints" / "epoch=0.ckpt")
     assert_same_weights(resumed.state_dict(), module.state_dict(), atol=1e-7)
 
 
@@ -328,7 +328,7 @@ def test_a_ddp_checkpoint_resumed_in_one_process_rescales_its_learning_rate(ddp_
         callbacks=[rate],
         enable_checkpointing=False,
         **QUIET,
-    ).fit(Net(), *loaders(), ckpt_path=trainer.log_dir / "checkpoints" / "epoch=0.ckpt")
+    ).fit(Net(), *loaders(), ckpt_path=Path(trainer.log_dir) / "checkpoints" / "epoch=0.ckpt")
     assert rate.rates == [BASE_LR]
     assert "the checkpoint's rates were scaled x2, this run's are x1; rescaled" in capsys.readouterr().out
 

@@ -144,7 +144,7 @@ class Record(Callback):
         self.path, self.losses = path, []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(float(trainer.strategy.reduce(outputs.detach(), "mean")))
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"], "mean")))
 
     def on_fit_end(self, trainer, module):
         state = trainer.strategy.model_state_dict()

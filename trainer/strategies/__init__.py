@@ -22,8 +22,9 @@ STRATEGIES: dict[str, str] = {
 }
 
 
-def build_strategy(spec: str | Mapping[str, Any] | Strategy) -> Strategy:
-    """A Strategy from a registry name, a mapping `{name: ..., **options}`, or an instance."""
+def build_strategy(spec: str | Mapping[str, Any] | Strategy, processes: int = 1) -> Strategy:
+    """A Strategy from a registry name, a mapping `{name: ..., **options}`, or an instance; 'auto' is 'ddp' for a
+    job of several `processes` (devices x num_nodes), as Lightning's "auto" picks, else 'single'."""
     if isinstance(spec, Strategy):
         return spec
     if isinstance(spec, Mapping):
@@ -33,7 +34,9 @@ def build_strategy(spec: str | Mapping[str, Any] | Strategy) -> Strategy:
             raise MisconfigurationError(f"strategy options {options} need a 'name' (one of {', '.join(STRATEGIES)}).")
     else:
         name, options = spec, {}
-    name = "single" if name == "auto" else str(name)
+    if name == "auto":
+        name = "ddp" if processes > 1 else "single"
+    name = str(name)
     if name not in STRATEGIES:
         raise MisconfigurationError(
             f"strategy={name!r} is not known{closest(name, STRATEGIES)}; known strategies: {', '.join(STRATEGIES)}."

@@ -65,6 +65,8 @@ def bound_step(module: nn.Module, step_name: str) -> Callable[..., Any]:
     """The module's `step_name`, to call on (batch, batch_idx, ...): batch_idx is left out where the step takes
     none, as Lightning does (`def training_step(self, batch):` is common)."""
     step = getattr(module, step_name)
+    if _needs_dataloader_idx(type(module), step_name):
+        return lambda batch, batch_idx, *rest: step(batch, batch_idx, *(rest or (0,)))
     if _takes_batch_idx(type(module), step_name):
         return step
     return lambda batch, batch_idx, *rest: step(batch, *rest)
@@ -77,11 +79,20 @@ def run_step(module: nn.Module, step_name: str, batch: Any, batch_idx: int, *res
 
 @functools.cache
 def _takes_batch_idx(cls: type, step_name: str) -> bool:
+    """Whether the step has a batch_idx parameter: a third positional one (after self and batch), or *args."""
+    parameters = inspect.signature(getattr(cls, step_name)).parameters.values()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
+@functools.cache
+def _needs_dataloader_idx(cls: type, step_name: str) -> bool:
+    """Whether the step's dataloader_idx has no default: Lightning then passes it for a single loader too."""
     try:
         inspect.signature(getattr(cls, step_name)).bind(None, None, 0)  # self, batch, batch_idx
     except TypeError:
-        return False
-    return True
+        return _takes_batch_idx(cls, step_name)
+    return False
 
 
 class Strategy(ABC):
