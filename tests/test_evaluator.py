@@ -201,7 +201,7 @@ def test_early_stopping_driven_by_the_evaluator_stops_a_run_that_stops_improving
     # epochs 2 and 3 see two that do not improve: the fit stops at epoch 3's end, one checkpoint after the one
     # whose score said so, instead of running 10 epochs.
     assert stopping.stopped_epoch == 3 and trainer.current_epoch == 4  # epochs done
-    assert "did not improve by more than 0.01 in the last 2 checks" in stopping.stopping_reason
+    assert "did not improve by more than 0.01 in the last 2 checks" in stopping.stopping_reason_message
     assert "the evaluator's score of step 12" in capsys.readouterr().out
     assert [(e.epoch, e.status) for e in record] == [(epoch, SCORED) for epoch in range(4)]
     assert stopping.evaluated_step == 12 and stopping.state_dict()["evaluated_step"] == 12

@@ -233,7 +233,7 @@ def test_sharded_folders_resume_with_last_keep_the_top_k_and_match_an_uninterrup
     run(tmp_path / "split", 1)
     resumed, best = run(tmp_path / "split", 3, ckpt_path="last")
     assert_same_weights(fsdp_cases.gathered(resumed), fsdp_cases.gathered(uninterrupted), atol=0)
-    folders = sorted(p.name for p in Path(best.dirpath).iterdir())
+    folders = sorted(p.name for p in Path(best.dirpath).glob("*.ckpt"))
     assert folders == sorted([Path(best.best_model_path).name, "last.ckpt"])  # top-1: the others were removed
     assert all((Path(best.dirpath) / name / "trainer_state.pt").is_file() for name in folders)
 
