@@ -12,14 +12,9 @@ import torch
 import yaml
 
 from torchyard.trainer.cli import main
-from torchyard.trainer.config import (
-    option_names,
-    parse_duration,
-    readme_reference,
-    reference_table,
-    update_readme,
-)
+from torchyard.trainer.config import option_names, parse_duration
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.options_table import readme_reference, reference_table, update_readme
 from torchyard.trainer.preflight import save_recipe_beside_earlier
 from torchyard.trainer.recipe import init_parameters, load_recipe
 

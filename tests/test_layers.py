@@ -29,8 +29,8 @@ LAYERS: dict[str, int] = {
     f"{T}.node_checks": 2,
     # 3: the option schema: every Trainer option, its checks, the run's config.yaml; the evaluator's record of a run
     f"{T}.config": 3, f"{T}.evaluation_record": 3,
-    # 4: optimizers/schedulers and precision, which read their value sets from the schema
-    f"{T}.optim": 4, f"{T}.precision": 4,
+    # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table
+    f"{T}.optim": 4, f"{T}.precision": 4, f"{T}.options_table": 4,
     # 5: the user's base class
     f"{T}.module": 5,
     # 6: the user's DataModule and the loaders built from it

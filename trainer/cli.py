@@ -29,9 +29,10 @@ from typing import Any
 import yaml
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-from torchyard.trainer.config import EvaluatorConfig, TrainerConfig, evaluator_config, reference_table, update_readme
+from torchyard.trainer.config import EvaluatorConfig, TrainerConfig, evaluator_config
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.hosts import add_arguments as add_launch_arguments
+from torchyard.trainer.options_table import reference_table, update_readme
 from torchyard.trainer.submit import add_arguments as add_submit_arguments
 
 STAGES = ("fit", "validate", "test", "predict")
