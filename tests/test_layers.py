@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     f"{T}.logging": 7, f"{T}.predictions": 7,
     # 8-11: the strategies: shared pieces, then the strategies, each above the ones it extends
     f"{T}.strategies.distributed": 8, f"{T}.strategies.pipeline_split": 8, f"{T}.strategies.base": 8,
+    f"{T}.strategies.comm_timing": 8,
     f"{T}.strategies": 9, f"{T}.strategies.process_group": 9, f"{T}.strategies.single": 9,
     f"{T}.strategies.dp": 9, f"{T}.strategies.ps_server": 9,
     f"{T}.strategies.ddp": 10, f"{T}.strategies.ps_client": 10,

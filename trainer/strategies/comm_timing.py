@@ -1,0 +1,47 @@
+"""How long a DDP backward waits for its gradient all-reduce: a wrapper around any DDP communication hook."""
+
+# No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's annotations with the
+# real dist.GradBucket and Future types, which strings are not.
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+class CommunicationTimer:
+    """Wraps a DDP communication hook and adds up, per backward, the seconds from handing the last gradient bucket
+    to the hook until its all-reduce is done: the communication that backward's compute did not hide.
+
+    DDP hands bucket 0 (`bucket.is_last()`) over once every gradient is computed, and the backward returns only when
+    its all-reduce completes; earlier buckets overlap with the compute still going on. On CUDA the future completes
+    when the collective is enqueued, so there the wait shows only with the profiler (`trainer scale` says so).
+    """
+
+    def __init__(self, hook: Hook, state: Any) -> None:
+        self.hook = hook
+        self.state = state
+        self.seconds = 0.0  # this rank's total wait since set-up
+        self.backward_passes = 0
+
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The wrapped hook's future for `bucket`; timed when it is the backward's last bucket."""
+        future = self.hook(self.state, bucket)
+        if not bucket.is_last():
+            return future
+        handed_over = time.perf_counter()
+
+        def done(finished: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            self.seconds += time.perf_counter() - handed_over
+            self.backward_passes += 1
+            return finished.value()
+
+        return future.then(done)
+
+
+def timed_hook(timer: CommunicationTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The hook DDP calls (`register_comm_hook(state=timer, hook=timed_hook)`): the timer runs the real one."""
+    return timer.run(bucket)
