@@ -6,6 +6,7 @@ from torchyard.callbacks.early_stopping import EarlyStopping
 from torchyard.callbacks.lr_monitor import LearningRateMonitor
 from torchyard.callbacks.prediction_writer import BasePredictionWriter
 from torchyard.callbacks.progress import RichProgressBar
+from torchyard.callbacks.step_timing import StepTiming
 from torchyard.callbacks.summary import ModelSummary
 from torchyard.callbacks.timer import Timer
 
@@ -17,5 +18,6 @@ __all__ = [
     "ModelCheckpoint",
     "ModelSummary",
     "RichProgressBar",
+    "StepTiming",
     "Timer",
 ]

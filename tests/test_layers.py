@@ -48,7 +48,7 @@ LAYERS: dict[str, int] = {
     f"{T}.loop": 13,
     # 14-15: the built-in callbacks, then their package (trainer.py builds the default ones)
     f"{C}.checkpoint": 14, f"{C}.early_stopping": 14, f"{C}.lr_monitor": 14, f"{C}.prediction_writer": 14,
-    f"{C}.progress": 14, f"{C}.summary": 14, f"{C}.timer": 14,
+    f"{C}.progress": 14, f"{C}.summary": 14, f"{C}.timer": 14, f"{C}.step_timing": 14,
     C: 15,
     # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
@@ -59,6 +59,8 @@ LAYERS: dict[str, int] = {
     T: 18, f"{T}.signatures": 18, f"{T}.plot": 18,
     # 19-22: the YAML recipes and the command line on top of them
     f"{T}.recipe": 19, f"{T}.submit": 20, f"{T}.cli": 21, f"{T}.__main__": 22,
+    # 18-20: the report of a scaling study, then the study itself (runs recipes at layouts: the recipe layer)
+    f"{T}.scale_report": 18, f"{T}.scale": 20,
 }
 
 STOP_REASON = "the end-of-run line names why the run stopped, which the stopping callbacks keep"
@@ -77,6 +79,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.cli", f"{T}.checkpoint"): CLI_REASON,
     (f"{T}.cli", f"{T}.plot"): "matplotlib, needed only by `trainer plot`",
     (f"{T}.submit", f"{T}.recipe"): CLI_REASON,
+    (f"{T}.cli", f"{T}.scale"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launcher"): "torch's elastic agent takes 150 ms to import; only a started job needs it",
 }
 

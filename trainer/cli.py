@@ -5,6 +5,8 @@
     trainer config --reference [--readme README.md]         every trainer option (and the README table)
     trainer plot RUN_DIR [RUN_DIR ...] -o curves.png
     trainer submit RECIPE [...] --nodes N [--gpus-per-node G] [--dry-run]   a SLURM batch job (trainer/submit.py)
+    trainer scale RECIPE [...] --devices 1,2,4 [--nodes 1,2] [--steps S | --epochs E] [--target val/acc=0.97]
+                  [--variants ddp,ddp:sync_every=8]    scale-up vs scale-out study (trainer/scale.py)
 
 A mistake in the command or the recipe prints one line on stderr and exits with status 2 before any
 process starts (`--verbose` adds the traceback).
@@ -122,7 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default: curves.png)")
     plot.set_defaults(handler=plot_runs)
     add_submit_arguments(commands.add_parser("submit", parents=[verbose], help="run a recipe as a SLURM batch job"))
+    add_scale_arguments(commands.add_parser("scale", parents=[verbose], help="measure a recipe at several layouts"))
     return parser
+
+
+def add_scale_arguments(scale: argparse.ArgumentParser) -> None:
+    """The options of `trainer scale` (trainer/scale.py does the work)."""
+    scale.add_argument("sources", nargs="+", metavar="RECIPE|KEY=VALUE", help="recipe files and overrides")
+    scale.add_argument("--devices", required=True, help="total process counts to measure, e.g. 1,2,4")
+    scale.add_argument("--nodes", default="1", help="node counts to spread each count over (default 1), e.g. 1,2")
+    length = scale.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="measured optimizer steps per run after the warm-up (default 30)")
+    length.add_argument("--epochs", type=int, help="epochs per run (with --target: the most to try)")
+    scale.add_argument("--target", help="train each layout until METRIC=VALUE, e.g. val/acc=0.97 or val/loss<=1.2")
+    scale.add_argument("--variants", default="ddp", help="strategies to compare, e.g. ddp,ddp:sync_every=8")
+    scale.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps left out of the timing")
+    scale.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (default 600)")
+    scale.set_defaults(handler=run_scale)
 
 
 # --------------------------------------------------------------------------- commands
@@ -184,6 +202,22 @@ def plot_runs(args: argparse.Namespace) -> int:
     path = draw(args.run_dirs, args.output)
     print(f"wrote {path}")
     return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    """Plan the study (every check first), then run it: the table, runs.md and scale.png in its folder."""
+    from rich.console import Console
+
+    from torchyard.trainer.scale import plan_study, run_study  # imports torch: see run_stage
+
+    _import_from_cwd()
+    plan = plan_study(args.sources, args.devices, args.nodes, args.variants, args.steps, args.epochs, args.target,
+                      args.warmup_steps, args.timeout)
+    console = Console()
+    if not console.is_terminal:  # a log file or a pipe: the table's width, not 80 columns
+        console = Console(width=200)
+    rows, _ = run_study(plan, console)
+    return 0 if any(row.error is None for row in rows) else 1
 
 
 # --------------------------------------------------------------------------- helpers
