@@ -2,8 +2,9 @@
 
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's annotations with the
 # real dist.GradBucket and Future types, which strings are not.
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +41,15 @@ class CommunicationTimer:
             return finished.value()
 
         return future.then(done)
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count a blocking collective outside backward too (local SGD's parameter averaging)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 def timed_hook(timer: CommunicationTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

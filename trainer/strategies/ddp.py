@@ -150,7 +150,8 @@ class DDPStrategy(ProcessGroupStrategy):
         result = super().optimizer_step(optimizer, closure)
         averager = self._averagers.get(id(optimizer))
         if averager is not None:
-            averager.average_parameters(optimizer.param_groups)
+            with self._timer.timed() if self._timer is not None else contextlib.nullcontext():
+                averager.average_parameters(optimizer.param_groups)
         return result
 
     @override
