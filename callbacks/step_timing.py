@@ -27,6 +27,10 @@ class StepTiming(Callback):
     entry per rank (seconds in steps, of which waiting for the gradient all-reduce; seconds between steps, waiting
     for data; samples; peak memory) and, with `target` ('val/acc>=0.97' or 'val/loss<=1.2'), when it was reached.
 
+    A rank's wait for a collective holds the transfer and the time the other ranks took to arrive; the rank that
+    arrives last waits for the transfer alone, so per step the smallest wait over the ranks is the communication
+    (`transfer_s`) and the rest of each rank's wait is waiting for slower ranks. No clocks are compared across ranks.
+
     Reaching the target stops the fit. Gaps that hold validation or an epoch's end are not counted as data wait.
     """
 
@@ -37,6 +41,7 @@ class StepTiming(Callback):
         self.warmup_steps = warmup_steps
         self.target = parse_target(target) if target is not None else None
         self.totals = {"step_s": 0.0, "communication_s": 0.0, "data_wait_s": 0.0, "steps": 0, "samples": 0}
+        self.step_waits: list[float] = []  # this rank's communication wait in each counted step
         self.first_counted: float | None = None
         self.last_end: float | None = None  # None: the gap before the next step is not a data wait
         self.step_start = self.comm_at_start = self.fit_start = 0.0
@@ -70,7 +75,9 @@ class StepTiming(Callback):
         now = self._now(trainer)
         if self._counting(trainer) and self.first_counted is not None:
             self.totals["step_s"] += now - self.step_start
-            self.totals["communication_s"] += trainer.strategy.communication_seconds() - self.comm_at_start
+            wait = trainer.strategy.communication_seconds() - self.comm_at_start
+            self.totals["communication_s"] += wait
+            self.step_waits.append(wait)
             self.totals["steps"] += 1
             self.totals["samples"] += batch_size(batch)
         self.last_end = now
@@ -100,12 +107,18 @@ class StepTiming(Callback):
         end = self.last_end if self.last_end is not None else time.perf_counter()
         rank = {**self.totals, "wall_s": end - self.first_counted if self.first_counted is not None else 0.0,
                 "peak_memory_mb": peak_memory_mb(trainer.strategy.root_device)}
-        ranks = trainer.strategy.all_gather_object(rank)
+        ranks = trainer.strategy.all_gather_object((rank, self.step_waits))
+        ranks = [{**totals, "transfer_s": transfer_seconds([waits for _, waits in ranks])} for totals, _ in ranks]
         if trainer.is_global_zero:
             report = {"ranks": ranks, "world_size": trainer.world_size, "num_nodes": trainer.strategy.num_nodes,
                       "steps_per_epoch": trainer.num_training_batches / trainer.accumulate_grad_batches,
                       "target": self.reached, "epochs_run": trainer.current_epoch, "global_step": trainer.global_step}
             atomic_write_text(Path(self.output), json.dumps(report, indent=1))
+
+
+def transfer_seconds(step_waits: list[list[float]]) -> float:
+    """The communication proper, summed over the steps: per step, the wait of the rank that waited least."""
+    return sum(min(waits) for waits in zip(*step_waits)) if step_waits else 0.0
 
 
 def parse_target(text: str) -> tuple[str, str, float]:

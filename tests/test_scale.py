@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import StepTiming
-from torchyard.callbacks.step_timing import batch_size, parse_target
+from torchyard.callbacks.step_timing import batch_size, parse_target, transfer_seconds
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.cli import main
 from torchyard.trainer.recipe import load_recipe
@@ -112,29 +112,38 @@ def test_targets_and_batch_sizes_are_read_as_written():
 # --------------------------------------------------------------------------- the report
 
 
-def timing(ranks: list[tuple[float, float, float, int, int, float]], steps_per_epoch: float = 10) -> dict:
+def timing(ranks: list[tuple[float, float, float, int, int, float]], steps_per_epoch: float = 10,
+           transfer_s: float = 0.0) -> dict:
     keys = ("step_s", "communication_s", "data_wait_s", "steps", "samples", "wall_s")
-    return {"ranks": [{**dict(zip(keys, rank)), "peak_memory_mb": 100.0 + i} for i, rank in enumerate(ranks)],
-            "steps_per_epoch": steps_per_epoch, "target": None}
+    return {"ranks": [{**dict(zip(keys, rank)), "peak_memory_mb": 100.0 + i, "transfer_s": transfer_s}
+                      for i, rank in enumerate(ranks)], "steps_per_epoch": steps_per_epoch, "target": None}
+
+
+def test_the_communication_of_a_step_is_the_wait_of_the_rank_that_arrived_last():
+    # rank 0 waited 0.1 s then 0.5 s, rank 1 0.3 s then 0.2 s: the transfers took at most 0.1 and 0.2 s.
+    assert transfer_seconds([[0.1, 0.5], [0.3, 0.2]]) == pytest.approx(0.3)
+    assert transfer_seconds([]) == 0.0
 
 
 def test_rows_hold_throughput_over_all_ranks_and_per_step_means_and_the_verdict_explains():
     one = row_from_timing("1x1 single", 1, 1, "single", timing([(1.0, 0.0, 0.1, 100, 6400, 1.1)]), 5.0)
     two = row_from_timing("1x2 ddp", 1, 2, "ddp",
-                          timing([(2.0, 0.5, 0.2, 100, 6400, 2.2), (1.8, 0.3, 0.2, 100, 6400, 2.0)], 5), 6.0)
+                          timing([(2.0, 0.5, 0.2, 100, 6400, 2.2), (1.8, 0.3, 0.2, 100, 6400, 2.0)], 5, 0.25), 6.0)
     failed = row_from_timing("2x1 ddp", 2, 1, "ddp", timing([(0.0, 0.0, 0.0, 0, 0, 0.0)] * 2), 1.0)
     rows = [one, two, failed]
     add_speedups(rows)
     assert one.samples_per_s == pytest.approx(6400 / 1.1) and two.samples_per_s == pytest.approx(12800 / 2.2)
     assert two.speedup == pytest.approx((12800 / 2.2) / (6400 / 1.1))
     assert two.efficiency == pytest.approx(two.speedup / 2)
-    assert (two.compute_ms, two.communication_ms, two.data_ms) == pytest.approx((15.0, 4.0, 2.0))
+    # per step: 19 ms in the step, of which 4 ms waiting (2.5 ms the transfer, 1.5 ms for the slower rank), 2 ms data
+    assert (two.compute_ms, two.communication_ms, two.imbalance_ms, two.data_ms) == pytest.approx((15, 2.5, 1.5, 2))
     assert two.epoch_s == pytest.approx((19.0 + 2.0) / 1000 * 5)
     assert two.peak_memory_mb == [100.0, 101.0]
     assert "no step was measured" in failed.error and math.isnan(failed.speedup)
     text = verdict(rows, by_target=False)
     assert text.startswith("Fastest: 1x1 single")
-    assert "At 1x2 ddp a step takes 21.0 ms: communication is 19% of it (4.0 ms)" in text
+    assert ("At 1x2 ddp a step takes 21.0 ms: communication is 12% of it (2.5 ms), waiting for slower ranks 1.5 ms, "
+            "data wait 2.0 ms") in text
     assert "compute 15.0 ms (1.5x one process's 10.0 ms: the processes compete for cores)" in text
 
 
@@ -193,7 +202,7 @@ def test_a_tiny_study_runs_a_baseline_and_a_two_node_layout_and_writes_the_table
     root = tmp_path / "scale_digits" / "version_0"
     rows = json.loads((root / "runs.json").read_text())
     assert [(row["label"], row["error"]) for row in rows] == [("1x1 single", None), ("2x1 ddp", None)]
-    assert rows[1]["communication_ms"] > 0 and len(rows[1]["peak_memory_mb"]) == 2
+    assert rows[1]["communication_ms"] > 0 and rows[1]["imbalance_ms"] >= 0 and len(rows[1]["peak_memory_mb"]) == 2
     assert (root / "scale.png").stat().st_size > 0 and "Fastest:" in (root / "runs.md").read_text()
     assert (root / "2x1_ddp" / "run" / "version_0" / "metrics.csv").is_file()
     assert "2x1 ddp" in done.stdout

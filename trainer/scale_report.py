@@ -32,6 +32,7 @@ class Row:
     epoch_s: float = math.nan
     compute_ms: float = math.nan
     communication_ms: float = math.nan
+    imbalance_ms: float = math.nan  # waiting in collectives for slower ranks
     data_ms: float = math.nan
     peak_memory_mb: list[float] = dataclasses.field(default_factory=list)
     target_s: float | None = None
@@ -45,7 +46,7 @@ class Row:
 
     @property
     def step_ms(self) -> float:
-        return self.compute_ms + self.communication_ms + self.data_ms
+        return self.compute_ms + self.communication_ms + self.imbalance_ms + self.data_ms
 
 
 def row_from_timing(label: str, nodes: int, per_node: int, variant: str, timing: dict[str, Any],
@@ -61,13 +62,14 @@ def row_from_timing(label: str, nodes: int, per_node: int, variant: str, timing:
     def per_step_ms(key: str) -> float:
         return 1000 * sum(rank[key] / rank["steps"] for rank in ranks) / len(ranks)
 
-    step_ms, comm_ms, data_ms = per_step_ms("step_s"), per_step_ms("communication_s"), per_step_ms("data_wait_s")
+    step_ms, wait_ms, data_ms = per_step_ms("step_s"), per_step_ms("communication_s"), per_step_ms("data_wait_s")
+    comm_ms = per_step_ms("transfer_s")  # the same on every rank
     reached = timing.get("target")
     return Row(
         label, nodes, per_node, variant,
         samples_per_s=sum(rank["samples"] for rank in ranks) / wall if wall > 0 else math.nan,
         epoch_s=(step_ms + data_ms) / 1000 * timing["steps_per_epoch"],
-        compute_ms=step_ms - comm_ms, communication_ms=comm_ms, data_ms=data_ms,
+        compute_ms=step_ms - wait_ms, communication_ms=comm_ms, imbalance_ms=wait_ms - comm_ms, data_ms=data_ms,
         peak_memory_mb=[rank["peak_memory_mb"] for rank in ranks],
         target_s=reached["seconds"] if reached else None, target_epochs=reached["epochs"] if reached else None,
         run_seconds=seconds,
@@ -111,7 +113,8 @@ def explain_step(row: Row, baseline: Row | None) -> str:
     """Where the step time of a multi-process row goes, against the one-process step."""
     share = 100 * row.communication_ms / row.step_ms if row.step_ms > 0 else math.nan
     text = (f"At {row.label} a step takes {row.step_ms:.1f} ms: communication is {share:.0f}% of it "
-            f"({row.communication_ms:.1f} ms), data wait {row.data_ms:.1f} ms, compute {row.compute_ms:.1f} ms")
+            f"({row.communication_ms:.1f} ms), waiting for slower ranks {row.imbalance_ms:.1f} ms, data wait "
+            f"{row.data_ms:.1f} ms, compute {row.compute_ms:.1f} ms")
     if baseline is not None and baseline.compute_ms > 0:
         ratio = row.compute_ms / baseline.compute_ms
         text += f" ({ratio:.1f}x one process's {baseline.compute_ms:.1f} ms"
@@ -124,7 +127,7 @@ def _number(value: float | None, spec: str) -> str:
 
 
 TABLE_COLUMNS = ("layout", "procs", "samples/s", "speed-up", "efficiency", "s/epoch", "compute ms", "comm ms",
-                 "data ms", f"peak {MB}/rank", "s to target", "epochs to target", "error")
+                 "rank wait ms", "data ms", f"peak {MB}/rank", "s to target", "epochs to target", "error")
 TARGET_COLUMNS = ("s to target", "epochs to target")
 
 
@@ -134,8 +137,8 @@ def table_cells(row: Row) -> list[str]:
     return [row.label, str(row.processes), _number(row.samples_per_s, ",.0f"), _number(row.speedup, ".2f"),
             _number(100 * row.efficiency, ".0f") + ("%" if not math.isnan(row.efficiency) else ""),
             _number(row.epoch_s, ".2f"), _number(row.compute_ms, ".1f"), _number(row.communication_ms, ".1f"),
-            _number(row.data_ms, ".1f"), peak, _number(row.target_s, ".1f"), _number(row.target_epochs, ".2f"),
-            row.error or ""]
+            _number(row.imbalance_ms, ".1f"), _number(row.data_ms, ".1f"), peak, _number(row.target_s, ".1f"),
+            _number(row.target_epochs, ".2f"), row.error or ""]
 
 
 def shown_columns(rows: list[Row], by_target: bool) -> list[int]:
@@ -196,6 +199,7 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
     speed.set_title("samples/s (speed-up vs 1 process)")
     bottom = [0.0] * len(done)
     for name, key, color in (("compute", "compute_ms", "tab:green"), ("communication", "communication_ms", "tab:red"),
+                             ("waiting for slower ranks", "imbalance_ms", "tab:orange"),
                              ("data wait", "data_ms", "tab:gray")):
         values = [getattr(row, key) for row in done]
         split.bar(labels, values, bottom=bottom, label=name, color=color)

@@ -26,17 +26,24 @@ class CommunicationTimer:
         self.hook = hook
         self.state = state
         self.seconds = 0.0  # this rank's total wait since set-up
+        self.window_seconds = 0.0  # from each backward's first bucket to its all-reduce's end: overlap included
         self.backward_passes = 0
+        self._first_handed_over: float | None = None
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The wrapped hook's future for `bucket`; timed when it is the backward's last bucket."""
+        handed_over = time.perf_counter()
+        if self._first_handed_over is None:
+            self._first_handed_over = handed_over
         future = self.hook(self.state, bucket)
         if not bucket.is_last():
             return future
-        handed_over = time.perf_counter()
+        first, self._first_handed_over = self._first_handed_over, None
 
         def done(finished: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            self.seconds += time.perf_counter() - handed_over
+            now = time.perf_counter()
+            self.seconds += now - handed_over
+            self.window_seconds += now - first
             self.backward_passes += 1
             return finished.value()
 

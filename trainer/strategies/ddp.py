@@ -154,6 +154,11 @@ class DDPStrategy(ProcessGroupStrategy):
                 averager.average_parameters(optimizer.param_groups)
         return result
 
+    @property
+    def communication_timer(self) -> CommunicationTimer | None:
+        """The timer around the communication hook (with time_communication); benchmarks swap the hook it runs."""
+        return self._timer
+
     @override
     def communication_seconds(self) -> float:
         """Seconds this rank's backward passes waited for the gradient all-reduce (with time_communication)."""
