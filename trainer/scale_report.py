@@ -191,7 +191,9 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
         raise MisconfigurationError("the PNG needs matplotlib: pip install 'torchyard[plot]'") from err
     done = [row for row in rows if row.error is None]
     labels = [row.label.replace(" ", "\n", 1) for row in done]
-    figure, (speed, split, memory) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=80)
+    reached = any(row.target_s is not None for row in done)
+    figure, axes = plt.subplots(1, 4 if reached else 3, figsize=(20 if reached else 15, 4.6), dpi=80)
+    speed, split, memory = axes[:3]
     bars = speed.bar(labels, [row.samples_per_s for row in done], color="tab:blue")
     for bar, row in zip(bars, done):
         speed.annotate(f"{row.speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -205,10 +207,13 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
         split.bar(labels, values, bottom=bottom, label=name, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
     split.set_title("time per step (ms), mean over ranks")
-    split.legend(fontsize="small")
+    split.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     memory.bar(labels, [max(row.peak_memory_mb) for row in done], color="tab:purple")
     memory.set_title(f"peak memory per rank ({MB}, highest rank)")
-    for axis in (speed, split, memory):
+    if reached:
+        axes[3].bar(labels, [row.target_s if row.target_s is not None else 0.0 for row in done], color="tab:olive")
+        axes[3].set_title("seconds of training to the target (0: not reached)")
+    for axis in axes:
         axis.tick_params(axis="x", labelsize="small")
         axis.grid(axis="y", alpha=0.3)
     figure.suptitle(header, fontsize="small")
