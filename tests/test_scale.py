@@ -23,6 +23,7 @@ from torchyard.callbacks import StepTiming
 from torchyard.callbacks.step_timing import batch_size, parse_target, transfer_seconds
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.cli import main
+from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.recipe import load_recipe
 from torchyard.trainer.scale import (
     agent_commands,
@@ -38,9 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO / "recipes" / "digits.yaml")
 
 
-def plan(tmp_path: Path, devices: str = "1,2", nodes: str = "1,2", variants: str = "ddp", **options):
+def plan(tmp_path: Path, devices: str = "1,2", nodes: str = "1,2", variants: str = "ddp",
+         trainer_accelerator: str = "cpu", **options):
     settings = {"steps": 3, "epochs": None, "target": None, "warmup_steps": 1, "timeout_s": 60, **options}
-    return plan_study([DIGITS, f"trainer.default_root_dir={tmp_path}"], devices, nodes, variants, **settings)
+    sources = [DIGITS, f"trainer.default_root_dir={tmp_path}", f"trainer.accelerator={trainer_accelerator}"]
+    return plan_study(sources, devices, nodes, variants, **settings)
 
 
 # --------------------------------------------------------------------------- checks before anything runs
@@ -58,7 +61,7 @@ def plan(tmp_path: Path, devices: str = "1,2", nodes: str = "1,2", variants: str
     (["--devices", "2", "--steps", "0"], "--steps 0 must be at least 1"),
 ])
 def test_bad_input_is_one_line_before_any_run(tmp_path, capsys, argv, message):
-    assert main(["scale", DIGITS, f"trainer.default_root_dir={tmp_path}", *argv]) == 2
+    assert main(["scale", DIGITS, f"trainer.default_root_dir={tmp_path}", "trainer.accelerator=cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not any(tmp_path.iterdir())  # no study folder, no run
@@ -196,6 +199,7 @@ def test_step_timing_counts_the_steps_after_warm_up_and_stops_at_the_target(tmp_
 def test_a_tiny_study_runs_a_baseline_and_a_two_node_layout_and_writes_the_table_and_png(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "torchyard.trainer", "scale", DIGITS, f"trainer.default_root_dir={tmp_path}",
+         "trainer.accelerator=cpu",
          "--devices", "2", "--nodes", "2", "--steps", "3", "--warmup-steps", "1"],
         capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -206,3 +210,25 @@ def test_a_tiny_study_runs_a_baseline_and_a_two_node_layout_and_writes_the_table
     assert (root / "scale.png").stat().st_size > 0 and "Fastest:" in (root / "runs.md").read_text()
     assert (root / "2x1_ddp" / "run" / "version_0" / "metrics.csv").is_file()
     assert "2x1 ddp" in done.stdout
+
+
+# --------------------------------------------------------------------------- CUDA (run where a GPU is lent)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_step_timing_reports_the_peak_of_allocated_gpu_memory(tmp_path):
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    output = tmp_path / "timing.json"
+    trainer = Trainer(max_epochs=1, accelerator="cuda", devices=1, enable_progress_bar=False, logger=False,
+                      enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                      default_root_dir=str(tmp_path), callbacks=[StepTiming(str(output), warmup_steps=1)])
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    (rank,) = json.loads(output.read_text())["ranks"]
+    assert rank["steps"] == 7 and rank["peak_memory_mb"] == pytest.approx(torch.cuda.max_memory_allocated() / 2**20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_more_processes_than_gpus_is_a_one_line_error(tmp_path):
+    gpus = torch.cuda.device_count()
+    with pytest.raises(MisconfigurationError, match=f"needs {gpus + 1} CUDA devices on this machine, which has {gpus}"):
+        plan(tmp_path, devices=f"1,{gpus + 1}", nodes="1", trainer_accelerator="cuda")
