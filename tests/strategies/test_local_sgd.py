@@ -6,11 +6,14 @@ sync_every=8 watched step by step and checkpointed every epoch, and a resume of 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from torchyard.trainer import Trainer
+from torchyard.trainer.cli import main
 from torchyard.trainer.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import build_strategy
@@ -35,6 +38,14 @@ def test_local_sgd_options_that_cannot_run_are_one_line_errors(options, message)
 def test_sync_every_below_one_stops_the_trainer_before_any_process_starts():
     with pytest.raises(MisconfigurationError, match="sync_every=0"):
         Trainer(strategy={"name": "ddp", "sync_every": 0}, devices=2, accelerator="cpu")
+
+
+def test_a_recipe_with_sync_every_below_one_is_one_line_exit_2(tmp_path, capsys):
+    digits = str(Path(__file__).resolve().parents[2] / "recipes" / "digits.yaml")
+    assert main(["fit", digits, "trainer.strategy={name: ddp, sync_every: 0}", "trainer.devices=2"]) == 2
+    err = capsys.readouterr().err
+    assert "sync_every=0) must be an integer of at least 1" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.fixture(scope="module")
