@@ -161,7 +161,7 @@ class DDPStrategy(ProcessGroupStrategy):
 
     @override
     def communication_seconds(self) -> float:
-        """Seconds this rank's backward passes waited for the gradient all-reduce (with time_communication)."""
+        """Seconds this rank waited for the gradient all-reduce and local SGD's averaging (with time_communication)."""
         return self._timer.seconds if self._timer is not None else 0.0
 
     # ------------------------------------------------------------------ checkpoint state
