@@ -53,7 +53,7 @@ def worker(rank: int, port: int, out: str, epochs: int, local_epochs: int) -> No
     trainer = digits_fit(out_dir / "local", local, local_epochs, check, every_epoch)
     weights["local"] = trainer.lightning_module.state_dict()
     val_acc = float(trainer.callback_metrics["val/acc"])
-    checkpoint = Path(every_epoch.dirpath) / "epoch=1.ckpt"
+    checkpoint = Path(every_epoch.dirpath) / "epoch=4.ckpt"  # step 50: two steps after the averaging at step 48
     weights["resumed"] = digits_fit(out_dir / "resumed", local, local_epochs,
                                     ckpt_path=str(checkpoint)).lightning_module.state_dict()
     torch.save({"weights": weights, "equal_after_step": check.equal_after_step, "val_acc": val_acc,
