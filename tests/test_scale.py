@@ -27,6 +27,7 @@ from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.recipe import load_recipe
 from torchyard.trainer.scale import (
     agent_commands,
+    last_error_line,
     layout_recipe,
     parse_counts,
     parse_variants,
@@ -102,6 +103,21 @@ def test_a_layouts_recipe_is_a_valid_recipe_at_that_shape_timed_by_step_timing(t
     assert all("--nnodes=2" in command and "--nproc-per-node=1" in command for command in commands)
     assert agent_commands(study.layouts[0], recipe_file, 29500) == [
         [sys.executable, "-m", "torchyard.trainer", "fit", str(recipe_file)]]
+
+
+AGENT_REPORT = """Traceback (most recent call last):
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+  error_file: <N/A>
+"""
+
+
+def test_a_failed_runs_error_is_the_workers_not_the_agents(tmp_path):
+    (tmp_path / "node0.log").write_text("trainer fit: error: DDPStrategy(backend='nccl') needs CUDA devices.\n"
+                                         + AGENT_REPORT)
+    assert last_error_line(tmp_path) == "trainer fit: error: DDPStrategy(backend='nccl') needs CUDA devices."
+    (tmp_path / "node0.log").write_text("[rank1]: RuntimeError: boom at step 3\n" + AGENT_REPORT)
+    assert last_error_line(tmp_path) == "[rank1]: RuntimeError: boom at step 3"
 
 
 def test_targets_and_batch_sizes_are_read_as_written():
@@ -196,16 +212,18 @@ def test_step_timing_counts_the_steps_after_warm_up_and_stops_at_the_target(tmp_
 
 
 @pytest.mark.timeout(420)  # about 35 s on 2 idle cores; minutes when other jobs load them
-def test_a_tiny_study_runs_a_baseline_and_a_two_node_layout_and_writes_the_table_and_png(tmp_path):
+def test_a_tiny_study_runs_a_baseline_and_two_node_layouts_and_writes_the_table_and_png(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "torchyard.trainer", "scale", DIGITS, f"trainer.default_root_dir={tmp_path}",
          "trainer.accelerator=cpu",
-         "--devices", "2", "--nodes", "2", "--steps", "3", "--warmup-steps", "1"],
+         "--devices", "2", "--nodes", "2", "--steps", "3", "--warmup-steps", "1",
+         "--variants", "ddp,ddp:backend=nccl"],  # nccl on CPU: a run that fails (in its workers) is a row
         capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     root = tmp_path / "scale_digits" / "version_0"
     rows = json.loads((root / "runs.json").read_text())
-    assert [(row["label"], row["error"]) for row in rows] == [("1x1 single", None), ("2x1 ddp", None)]
+    assert [(row["label"], row["error"]) for row in rows[:2]] == [("1x1 single", None), ("2x1 ddp", None)]
+    assert rows[2]["label"] == "2x1 ddp:backend=nccl" and "backend='nccl') needs CUDA devices" in rows[2]["error"]
     assert rows[1]["communication_ms"] > 0 and rows[1]["imbalance_ms"] >= 0 and len(rows[1]["peak_memory_mb"]) == 2
     assert (root / "scale.png").stat().st_size > 0 and "Fastest:" in (root / "runs.md").read_text()
     assert (root / "2x1_ddp" / "run" / "version_0" / "metrics.csv").is_file()

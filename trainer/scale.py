@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from torchyard.trainer.strategies import build_strategy
 from torchyard.trainer.strategies.base import resolve_accelerator
 
 DEFAULT_STEPS = 30
+RAISED = re.compile(r"\b\w*(Error|Exception)\b:")  # an exception's last traceback line, e.g. "RuntimeError: ..."
 # Strategies whose gradient all-reduce StepTiming can time (their `time_communication` option).
 TIMED_STRATEGIES = ("ddp",)
 
@@ -297,11 +299,13 @@ def stop_agents(agents: list[subprocess.Popen]) -> None:
 
 
 def last_error_line(folder: Path) -> str:
-    """The most telling line of the run's logs: its last 'Error'/'error:' line, else its last line."""
+    """The most telling line of the run's logs: the trainer's own one-line error, else the last exception a worker
+    raised (not the agent's ChildFailedError that reports it), else the last line."""
     lines = [line.strip() for log in sorted(folder.glob("node*.log")) for line in log.read_text().splitlines()
              if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error:" in line]
-    return (errors or lines or ["no output"])[-1][:300]
+    own = [line for line in lines if line.startswith("trainer ") and ": error: " in line]
+    raised = [line for line in lines if RAISED.search(line) and "torch.distributed.elastic" not in line]
+    return (own or raised or lines or ["no output"])[-1][:300]
 
 
 # --------------------------------------------------------------------------- the study
