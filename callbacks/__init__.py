@@ -7,6 +7,7 @@ from torchyard.callbacks.gradient_accumulation import GradientAccumulationSchedu
 from torchyard.callbacks.lr_monitor import LearningRateMonitor
 from torchyard.callbacks.prediction_writer import BasePredictionWriter
 from torchyard.callbacks.progress import RichProgressBar, TQDMProgressBar
+from torchyard.callbacks.step_timing import StepTiming
 from torchyard.callbacks.summary import ModelSummary
 from torchyard.callbacks.timer import Timer
 
@@ -21,5 +22,6 @@ __all__ = [
     "ModelSummary",
     "RichProgressBar",
     "TQDMProgressBar",
+    "StepTiming",
     "Timer",
 ]

@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     f"{T}.logging": 7, f"{T}.predictions": 7,
     # 8-11: the strategies: shared pieces, then the strategies, each above the ones it extends
     f"{T}.strategies.distributed": 8, f"{T}.strategies.pipeline_split": 8, f"{T}.strategies.base": 8,
+    f"{T}.strategies.comm_timing": 8,
     f"{T}.strategies": 9, f"{T}.strategies.process_group": 9, f"{T}.strategies.single": 9,
     f"{T}.strategies.dp": 9, f"{T}.strategies.ps_server": 9,
     f"{T}.strategies.fsdp_checkpoint": 9,
@@ -52,7 +53,7 @@ LAYERS: dict[str, int] = {
     f"{C}.checkpoint": 14, f"{C}.early_stopping": 14, f"{C}.lr_monitor": 14, f"{C}.prediction_writer": 14,
     f"{C}.progress": 14, f"{C}.gradient_accumulation": 14, f"{C}.profilers": 14, f"{C}.summary": 14, f"{C}.timer": 14,
     #     and the evaluator side process's callback (it validates with the Trainer class it is handed, not imports)
-    f"{T}.evaluator": 14,
+    f"{T}.evaluator": 14, f"{C}.step_timing": 14,
     C: 15,
     # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
@@ -63,6 +64,8 @@ LAYERS: dict[str, int] = {
     T: 18, f"{T}.signatures": 18, f"{T}.plot": 18,
     # 19-22: the YAML recipes and the command line on top of them
     f"{T}.recipe": 19, f"{T}.submit": 20, f"{T}.hosts": 20, f"{T}.cli": 21, f"{T}.__main__": 22,
+    # 18-20: the report of a scaling study, then the study itself (runs recipes at layouts: the recipe layer)
+    f"{T}.scale_report": 18, f"{T}.scale": 20,
 }
 
 STOP_REASON = "the end-of-run line names why the run stopped, which the stopping callbacks keep"
@@ -84,6 +87,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.cli", f"{T}.plot"): "matplotlib, needed only by `trainer plot`",
     (f"{T}.submit", f"{T}.recipe"): CLI_REASON,
     (f"{T}.hosts", f"{T}.recipe"): CLI_REASON,
+    (f"{T}.cli", f"{T}.scale"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launcher"): "torch's elastic agent takes 150 ms to import; only a started job needs it",
     (f"{T}.cli", f"{T}.evaluator"): CLI_REASON,
     (f"{T}.trainer", f"{T}.ray_launcher"): "it imports the elastic agent's launcher; only launcher='ray' needs it",

@@ -8,6 +8,8 @@
     trainer submit RECIPE [...] --nodes N [--gpus-per-node G] [--dry-run]   a SLURM batch job (trainer/submit.py)
     trainer launch --hosts H1,H2 [--nproc-per-node N] RECIPE|SCRIPT.py [...]  one node per host over ssh (hosts.py)
     trainer checkpoint convert FOLDER FILE                   a sharded (fsdp) checkpoint as one full file
+    trainer scale RECIPE [...] --devices 1,2,4 [--nodes 1,2] [--steps S | --epochs E] [--target val/acc=0.97]
+                  [--variants ddp,ddp:sync_every=8]    scale-up vs scale-out study (trainer/scale.py)
 
 A mistake in the command or the recipe prints one line on stderr and exits with status 2 before any
 process starts (`--verbose` adds the traceback).
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              help="run a recipe or script on several hosts over ssh, one node each"))
     add_evaluate_arguments(commands.add_parser("evaluate", parents=[verbose], help="score each checkpoint of a run "
                                                "with its validation_step (docs/evaluator.md)"))
+    add_scale_arguments(commands.add_parser("scale", parents=[verbose], help="measure a recipe at several layouts"))
     return parser
 
 
@@ -154,6 +157,21 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="with --watch: stop after this long without a new checkpoint (default: never)")
     parser.set_defaults(handler=evaluate_checkpoints)
+
+
+def add_scale_arguments(scale: argparse.ArgumentParser) -> None:
+    """The options of `trainer scale` (trainer/scale.py does the work)."""
+    scale.add_argument("sources", nargs="+", metavar="RECIPE|KEY=VALUE", help="recipe files and overrides")
+    scale.add_argument("--devices", required=True, help="total process counts to measure, e.g. 1,2,4")
+    scale.add_argument("--nodes", default="1", help="node counts to spread each count over (default 1), e.g. 1,2")
+    length = scale.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="measured optimizer steps per run after the warm-up (default 30)")
+    length.add_argument("--epochs", type=int, help="epochs per run (with --target: the most to try)")
+    scale.add_argument("--target", help="train each layout until METRIC=VALUE, e.g. val/acc=0.97 or val/loss<=1.2")
+    scale.add_argument("--variants", default="ddp", help="strategies to compare, e.g. ddp,ddp:sync_every=8")
+    scale.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps left out of the timing")
+    scale.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (default 600)")
+    scale.set_defaults(handler=run_scale)
 
 
 # --------------------------------------------------------------------------- commands
@@ -251,6 +269,20 @@ def convert_checkpoint(args: argparse.Namespace) -> int:
         raise MisconfigurationError(f"{str(out)!r} is a folder; give the path of the file to write.")
     print(f"wrote {convert_to_file(folder, out)}")
     return 0
+def run_scale(args: argparse.Namespace) -> int:
+    """Plan the study (every check first), then run it: the table, runs.md and scale.png in its folder."""
+    from rich.console import Console
+
+    from torchyard.trainer.scale import plan_study, run_study  # imports torch: see run_stage
+
+    _import_from_cwd()
+    plan = plan_study(args.sources, args.devices, args.nodes, args.variants, args.steps, args.epochs, args.target,
+                      args.warmup_steps, args.timeout)
+    console = Console()
+    if not console.is_terminal:  # a log file or a pipe: the table's width, not 80 columns
+        console = Console(width=200)
+    rows, _ = run_study(plan, console)
+    return 0 if any(row.error is None for row in rows) else 1
 
 
 # --------------------------------------------------------------------------- helpers

@@ -74,6 +74,7 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
         "loggers": [{**logger.state_dict(), "step": trainer.progress.batches_stepped} for logger in trainer.loggers],
         "rng": strategy.all_gather_object(rng_state()),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
+        "strategy": strategy.state_dict(trainer.optimizers),  # e.g. local SGD's averager steps and replicas
     }
 
 
@@ -160,6 +161,8 @@ def restore_optimizers(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
             zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True)
         ):
             _restore_optimizer(trainer, index, optimizer, state)
+        # Before the rescale below: a strategy may replace the states with this rank's own (local SGD's replicas).
+        trainer.strategy.load_state_dict(checkpoint.get("strategy", {}), trainer.optimizers)
         restore_schedulers(trainer, checkpoint)
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"the checkpoint's optimizers or schedulers do not match configure_optimizers "

@@ -520,7 +520,7 @@ def test_lr_scaling_is_logged_once_at_start(capsys):
 def test_options_through_the_registry_and_their_errors():
     strategy = build_strategy({"name": "ddp", "find_unused_parameters": True, "comm_hook": "bf16"})
     assert isinstance(strategy, DDPStrategy) and strategy.find_unused_parameters and strategy.comm_hook == "bf16"
-    with pytest.raises(MisconfigurationError, match="comm_hook='int8'.*'fp16' or 'bf16'"):
+    with pytest.raises(MisconfigurationError, match="comm_hook='int8'.*'fp16', 'bf16' or 'noop'"):
         DDPStrategy(comm_hook="int8")
     with pytest.raises(MisconfigurationError, match="backend='nccl'\\) needs CUDA"):
         Trainer(strategy=DDPStrategy(backend="nccl"), accelerator="cpu")

@@ -246,6 +246,19 @@ class Strategy(ABC):
         model into it, so that the script that called fit holds it (a collective where it does anything)."""
         return None  # the default trains the whole module on every rank
 
+    def state_dict(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """The strategy's own training state for an exact resume (a model averager's step, per-rank replicas), in
+        plain containers and tensors. Called on every rank: it may gather."""
+        return {}  # the default keeps nothing beyond the weights and optimizer states the checkpoint holds
+
+    def load_state_dict(self, state: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Take back what state_dict returned, after the weights and optimizer states were restored."""
+        return None
+
+    def communication_seconds(self) -> float:
+        """Seconds this rank has waited for gradient communication since set-up, where the strategy times it."""
+        return 0.0  # one process: no communication
+
     # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""

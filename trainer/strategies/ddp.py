@@ -9,20 +9,28 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.strategies.base import StepDispatcher
+from torchyard.trainer.strategies.base import HOST, StepDispatcher
+from torchyard.trainer.strategies.comm_timing import CommunicationTimer, timed_hook
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torchyard.trainer.module import TrainModule
 
-# Gradient compression through torch's own DDP communication hooks: buckets travel in half precision.
-COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+# Gradient compression through torch's own DDP communication hooks: buckets travel in half precision. 'noop' skips
+# the all-reduce (replicas drift apart): it exists to measure what the all-reduce costs (benchmarks/local_sgd.py).
+COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
+              "noop": debugging_hooks.noop_hook}
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
@@ -45,20 +53,29 @@ class DDPStrategy(ProcessGroupStrategy):
         gradient_as_bucket_view: bool = True,
         comm_hook: str | None = None,
         environment: str | ClusterEnvironment | None = None,
+        sync_every: int = 1,
+        sync_warmup_steps: int = 0,
+        time_communication: bool = False,
     ) -> None:
         super().__init__(backend, environment)
+        check_local_sgd_options(sync_every, sync_warmup_steps, comm_hook)
         if backend is not None and backend not in BACKENDS:
             raise MisconfigurationError(
                 f"DDPStrategy(backend={backend!r}) is not known; use one of {', '.join(BACKENDS)} or leave it unset."
             )
         if comm_hook is not None and comm_hook not in COMM_HOOKS:
             raise MisconfigurationError(
-                f"DDPStrategy(comm_hook={comm_hook!r}) is not known; use None, 'fp16' or 'bf16'."
+                f"DDPStrategy(comm_hook={comm_hook!r}) is not known; use None, 'fp16', 'bf16' or 'noop'."
             )
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.comm_hook = comm_hook
+        self.sync_every, self.sync_warmup_steps = sync_every, sync_warmup_steps
+        self.time_communication = time_communication
+        self._local_sgd: PostLocalSGDState | None = None  # the hook's step counter, with local SGD
+        self._averagers: dict[int, PeriodicModelAverager] = {}  # id(optimizer) -> its averager, with local SGD
+        self._timer: CommunicationTimer | None = None
 
     # ------------------------------------------------------------------ the world
     @override
@@ -101,8 +118,81 @@ class DDPStrategy(ProcessGroupStrategy):
             find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
-        if self.comm_hook is not None:
-            self.model.register_comm_hook(state=None, hook=COMM_HOOKS[self.comm_hook])
+        self._register_comm_hook(self.model)
+
+    def _register_comm_hook(self, model: DistributedDataParallel) -> None:
+        hook, state = (COMM_HOOKS[self.comm_hook], None) if self.comm_hook is not None else (None, None)
+        if self.sync_every > 1:
+            # No gradient all-reduce after the warm-up (not even within a node): the averager alone synchronises.
+            self._local_sgd = PostLocalSGDState(process_group=None, subgroup=None,
+                                                start_localSGD_iter=self.sync_warmup_steps,
+                                                post_local_gradient_allreduce=False)
+            hook, state = post_localSGD_hook, self._local_sgd
+        if self.time_communication:
+            # DDP's own all-reduce is C++ with no hook to time; torch's Python allreduce_hook does the same work.
+            self._timer = CommunicationTimer(hook or default_hooks.allreduce_hook, state)
+            hook, state = timed_hook, self._timer
+        if hook is not None:
+            model.register_comm_hook(state=state, hook=hook)
+
+    @override
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        """With local SGD, one PeriodicModelAverager per optimizer, run after each of its steps."""
+        if self._local_sgd is not None:
+            self._averagers = {id(opt): PeriodicModelAverager(self.sync_every, self.sync_warmup_steps)
+                               for opt in optimizers}
+        return optimizers
+
+    @override
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None = None
+    ) -> Any:
+        result = super().optimizer_step(optimizer, closure)
+        averager = self._averagers.get(id(optimizer))
+        if averager is not None:
+            with self._timer.timed() if self._timer is not None else contextlib.nullcontext():
+                averager.average_parameters(optimizer.param_groups)
+        return result
+
+    @property
+    def communication_timer(self) -> CommunicationTimer | None:
+        """The timer around the communication hook (with time_communication); benchmarks swap the hook it runs."""
+        return self._timer
+
+    @override
+    def communication_seconds(self) -> float:
+        """Seconds this rank waited for the gradient all-reduce and local SGD's averaging (with time_communication)."""
+        return self._timer.seconds if self._timer is not None else 0.0
+
+    # ------------------------------------------------------------------ checkpoint state
+    @override
+    def state_dict(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """With local SGD: the hook's and averagers' step counters and, once replicas step on their own, every rank's
+        weights and optimizer states (a collective), so a resume continues each replica where it was."""
+        if self._local_sgd is None:
+            return {}
+        state: dict[str, Any] = {"hook_iter": self._local_sgd.iter,
+                                 "averager_steps": [self._averagers[id(opt)].step for opt in optimizers]}
+        if self._local_sgd.iter >= self.sync_warmup_steps:
+            assert self.module is not None
+            replica = {"model": dict(self.module.state_dict()),
+                       "optimizers": [self.optimizer_state_dict(opt) for opt in optimizers]}
+            state["replicas"] = self.all_gather_object(move_to_device(replica, HOST))
+        return state
+
+    @override
+    def load_state_dict(self, state: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+        if self._local_sgd is None or not state:
+            return
+        self._local_sgd.iter = int(state["hook_iter"])
+        for opt, step in zip(optimizers, state["averager_steps"], strict=True):
+            self._averagers[id(opt)].step = int(step)
+        replicas = state.get("replicas", [])
+        if len(replicas) == self.world_size:  # on another number of processes every replica starts from rank 0's
+            assert self.module is not None
+            self.module.load_state_dict(replicas[self.global_rank]["model"])
+            for opt, opt_state in zip(optimizers, replicas[self.global_rank]["optimizers"], strict=True):
+                self.load_optimizer_state_dict(opt, opt_state)
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -116,3 +206,22 @@ class DDPStrategy(ProcessGroupStrategy):
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
+
+
+def check_local_sgd_options(sync_every: Any, sync_warmup_steps: Any, comm_hook: str | None) -> None:
+    """One-line errors for local SGD options that cannot run."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise MisconfigurationError(
+            f"DDPStrategy(sync_every={sync_every!r}) must be an integer of at least 1: the number of optimizer steps "
+            "between parameter averagings (1 is ordinary DDP, which all-reduces gradients every step)."
+        )
+    if isinstance(sync_warmup_steps, bool) or not isinstance(sync_warmup_steps, int) or sync_warmup_steps < 0:
+        raise MisconfigurationError(
+            f"DDPStrategy(sync_warmup_steps={sync_warmup_steps!r}) must be an integer of at least 0: the optimizer "
+            "steps that all-reduce gradients as ordinary DDP before local SGD starts."
+        )
+    if sync_every > 1 and comm_hook is not None:
+        raise MisconfigurationError(
+            f"DDPStrategy(sync_every={sync_every}, comm_hook={comm_hook!r}): local SGD installs its own communication "
+            "hook (post-local SGD); leave comm_hook unset, or use sync_every=1."
+        )
