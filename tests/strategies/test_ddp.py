@@ -217,6 +217,31 @@ def test_all_gather_with_gradients_trains_as_one_process_on_the_concatenated_bat
         mismatched.fit(MismatchedGather(), DataLoader(TRAIN, batch_size=BATCH))
 
 
+class ManualNet(Net):
+    """Manual optimization: its backward runs inside DDP's forward, where DDP has not readied its reducer yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.mse_loss(self(batch[0]), batch[1]))
+        optimizer.step()
+
+
+@pytest.mark.timeout(240)
+def test_manual_optimization_under_ddp_trains_as_one_process_on_the_concatenated_batches(tmp_path):
+    module = ManualNet()
+    module.load_state_dict(initial_state())
+    trainer = Trainer(strategy="ddp", devices=2, max_epochs=EPOCHS, seed=SEED, default_root_dir=str(tmp_path),
+                      enable_checkpointing=False, logger=False, **QUIET)
+    trainer.fit(module, DataLoader(TRAIN, batch_size=BATCH, shuffle=True))
+    assert trainer.global_step == EPOCHS * 5
+    assert_same_weights(module.state_dict(), concatenated_batch_reference(initial_state(), BASE_LR), atol=1e-5)
+
+
 class LBFGSNet(Net):
     def training_step(self, batch, batch_idx):
         self.log("evaluations", 1.0, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)  # both ranks'

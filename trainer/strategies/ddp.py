@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 from typing_extensions import override
 
 from torchyard.trainer.batches import move_to_device
@@ -73,6 +74,7 @@ class DDPStrategy(ProcessGroupStrategy):
         self.comm_hook = comm_hook
         self.sync_every, self.sync_warmup_steps = sync_every, sync_warmup_steps
         self.time_communication = time_communication
+        self._synced_backward: bool | None = None  # inside a manual-optimization step: whether a backward synced
         self._local_sgd: PostLocalSGDState | None = None  # the hook's step counter, with local SGD
         self._averagers: dict[int, PeriodicModelAverager] = {}  # id(optimizer) -> its averager, with local SGD
         self._timer: CommunicationTimer | None = None
@@ -198,14 +200,53 @@ class DDPStrategy(ProcessGroupStrategy):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if not isinstance(self.model, DistributedDataParallel):
             return super().training_step(batch, batch_idx)
+        if not self.module.automatic_optimization:
+            return self._manual_training_step(batch, batch_idx)
         with self.precision.autocast():
             return self.model("training_step", batch, batch_idx)
+
+    def _manual_training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Manual optimization: the user's backward runs inside DDP's forward (the step is the forward), before DDP's
+        post-forward would ready the reducer for it. So the forward runs as a no-sync one, and each manual_backward
+        readies the reducer itself (see backward)."""
+        assert isinstance(self.model, DistributedDataParallel)
+        self._synced_backward = False
+        try:
+            with self.model.no_sync(), self.precision.autocast():
+                output = self.model("training_step", batch, batch_idx)
+            if self._synced_backward:
+                self.model.require_forward_param_sync = True  # the next forward broadcasts buffers, as after a sync
+        finally:
+            self._synced_backward = None
+        return output
+
+    @override
+    def backward(self, loss: torch.Tensor) -> None:
+        model = self.model
+        if not (isinstance(model, DistributedDataParallel) and self._synced_backward is not None):
+            return super().backward(loss)
+        model.require_backward_grad_sync = True  # inside the step's no-sync forward: this backward syncs
+        try:
+            _prepare_reducer(model, loss)
+            super().backward(loss)
+        finally:
+            model.require_backward_grad_sync = False
+        self._synced_backward = True
+        return None
 
     @override
     def no_backward_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
+
+
+def _prepare_reducer(model: DistributedDataParallel, loss: torch.Tensor) -> None:
+    """Ready DDP's reducer for a backward of `loss`, as DDP's post-forward does after an ordinary forward."""
+    model.require_forward_param_sync = True
+    unused_search = model.find_unused_parameters and not model.static_graph
+    model.reducer._rebuild_buckets()  # once, after the first backward: the buckets in the order gradients came
+    model.reducer.prepare_for_backward(list(_find_tensors(loss)) if unused_search else [])
 
 
 def check_local_sgd_options(sync_every: Any, sync_warmup_steps: Any, comm_hook: str | None) -> None:
