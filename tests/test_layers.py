@@ -20,8 +20,9 @@ LAYERS: dict[str, int] = {
     # 0: the exception types and message helpers every file raises with
     f"{T}.errors": 0,
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
-    #    folders, fault signals, checkpoint files, batch order and device moves, and the Callback interface
-    f"{T}.environment": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
+    #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, and where
+    #    the running script called us (under its main guard or not)
+    f"{T}.environment": 1, f"{T}.script_guard": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
     f"{T}.batches": 1, f"{C}.base": 1,
     # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class
     f"{T}.loggers": 2,
@@ -49,6 +50,8 @@ LAYERS: dict[str, int] = {
     f"{C}.checkpoint": 14, f"{C}.early_stopping": 14, f"{C}.lr_monitor": 14, f"{C}.prediction_writer": 14,
     f"{C}.progress": 14, f"{C}.summary": 14, f"{C}.timer": 14,
     C: 15,
+    # 15: a script without a main guard re-run for the job's other ranks (Lightning's launch), which launcher uses
+    f"{T}.script_launch": 15,
     # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
     f"{T}.preflight": 16, f"{T}.launcher": 16, f"{T}.trainer_properties": 16,
