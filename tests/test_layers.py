@@ -22,8 +22,8 @@ LAYERS: dict[str, int] = {
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
     #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, and where
     #    the running script called us (under its main guard or not)
-    f"{T}.environment": 1, f"{T}.script_guard": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
-    f"{T}.batches": 1, f"{C}.base": 1,
+    f"{T}.environment": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
+    f"{T}.batches": 1, f"{C}.base": 1, f"{T}.script_guard": 1,
     # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class
     f"{T}.loggers": 2,
     # 3: the option schema: every Trainer option, its checks, the run's config.yaml
