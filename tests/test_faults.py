@@ -109,11 +109,24 @@ def single_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    """The uninterrupted 2-process ddp run, started from this process."""
-    root = tmp_path_factory.mktemp("ddp_reference")
-    module = fit(root, "ddp")
-    return module.state_dict(), metrics_rows(root)
+def ddp_runs(tmp_path_factory):
+    """The uninterrupted 2-process ddp run, started from this process, by where its seed came from (each run
+    once): weights and metrics.csv rows."""
+    runs = {}
+
+    def run(seed_from: str = "trainer") -> tuple[dict[str, torch.Tensor], list[dict[str, str]]]:
+        if seed_from not in runs:
+            root = tmp_path_factory.mktemp(f"ddp_reference_{seed_from}")
+            module = fit(root, "ddp", seed_from=seed_from)
+            runs[seed_from] = module.state_dict(), metrics_rows(root)
+        return runs[seed_from]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def ddp_run(ddp_runs):
+    return ddp_runs("trainer")
 
 
 # --------------------------------------------------------------------------- one process
@@ -360,12 +373,23 @@ def test_ranks_exchange_sigterm_flags_every_few_steps_and_act_on_them_together(m
 
 
 @pytest.mark.timeout(240)
-def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_weights(ddp_run, tmp_path, capfd):
-    module = fit(tmp_path, "ddp", [KillAt(5, rank=1)], max_restarts=1)  # rank 1 dies mid-epoch 0
+@pytest.mark.parametrize("seed_from", ["trainer", "seed_everything"])
+def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_weights(
+    ddp_runs, tmp_path, capfd, seed_from
+):
+    """The seed from Trainer(seed=) or from the script's seed_everything (which reaches the workers as the
+    launching process's RNG state): the run that lost rank 1 and restarted ends on the uninterrupted weights."""
+    module = fit(tmp_path, "ddp", [KillAt(5, rank=1)], max_restarts=1, seed_from=seed_from)  # rank 1 dies at step 5
     assert "restart 1: resuming from" in capfd.readouterr().err
     assert starts(tmp_path) == ["0 0", "1 3"]  # the restarted group began at the last checkpoint, not at 0
-    assert_same_weights(module.state_dict(), ddp_run[0])
-    assert metrics_rows(tmp_path) == ddp_run[1]
+    assert_same_weights(module.state_dict(), ddp_runs(seed_from)[0])
+    assert metrics_rows(tmp_path) == ddp_runs(seed_from)[1]
+
+
+@pytest.mark.timeout(120)
+def test_seed_everything_in_the_script_makes_two_ddp_runs_with_dropout_and_a_shuffled_loader_equal(ddp_runs, tmp_path):
+    again = fit(tmp_path, "ddp", seed_from="seed_everything")
+    assert_same_weights(again.state_dict(), ddp_runs("seed_everything")[0])
 
 
 @pytest.mark.timeout(240)

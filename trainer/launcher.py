@@ -35,6 +35,7 @@ from torchyard.trainer.environment import (
     usable_cores,
 )
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.rng import rng_state, set_rng_state
 from torchyard.trainer.script_guard import (
     GUARD_HINT,
     ScriptCall,
@@ -82,7 +83,9 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     try:
         with _restored_process_state(), _quiet_agent_logs():
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-            returns = elastic_launch(config, run_worker)(payload, str(workdir), threads)
+            # Every worker starts from this process's RNG state (seed_everything's seed, or whatever state it has),
+            # as the script's code after this call would: the workers do not run the script's main block.
+            returns = elastic_launch(config, run_worker)(payload, str(workdir), threads, rng_state())
     except SignalException as err:
         shutil.rmtree(workdir, ignore_errors=True)
         if err.sigval not in (signal.SIGTERM, signal.SIGINT):
@@ -189,13 +192,16 @@ def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> Non
     trainer.adopt_worker_state(module, state)
 
 
-def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:
-    """The entry point of every worker: unpickle the job, run the stage, hand back the outcome."""
+def run_worker(payload: bytes, workdir: str, threads: int, launch_rng: dict[str, Any] | None = None) -> bytes | None:
+    """The entry point of every worker: unpickle the job, take the launching process's RNG state, run the stage,
+    hand back the outcome."""
     environment = detect_environment()
     try:
         if threads:
             torch.set_num_threads(threads)
         trainer, stage, run_args = pickle.loads(payload)
+        if launch_rng is not None:
+            set_rng_state(launch_rng)
         outcome = trainer._run(stage, *run_args, hand_back=True)
     except faults.Terminated:
         raise  # SIGTERM: the checkpoint is saved; exit with its code, there is no failure to report
