@@ -24,8 +24,9 @@ LAYERS: dict[str, int] = {
     #    the running script called us (under its main guard or not)
     f"{T}.environment": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
     f"{T}.batches": 1, f"{C}.base": 1, f"{T}.script_guard": 1,
-    # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class
-    f"{T}.loggers": 2,
+    # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class;
+    #    the forkserver that the workers of a spawned job fork from (it asks where the script called us)
+    f"{T}.loggers": 2, f"{T}.warm_start": 2,
     # 3: the option schema: every Trainer option, its checks, the run's config.yaml
     f"{T}.config": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema

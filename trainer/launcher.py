@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from torchyard.trainer import faults
+from torchyard.trainer import faults, warm_start
 from torchyard.trainer.environment import (
     ClusterEnvironment,
     detect_environment,
@@ -77,15 +77,19 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
         _ = logger.version
     _ = trainer.log_dir
     payload = _pickle_job(trainer, stage, run_args)
+    if warm_start.available():
+        warm_start.start()  # already running when the Trainer started it early
     workdir = Path(tempfile.mkdtemp(prefix="trainer-launch-"))
     config, node_rank = _launch_config(trainer, nproc, num_nodes, workdir)
-    threads = 0 if "OMP_NUM_THREADS" in os.environ else max(1, usable_cores() // nproc)
+    threads = _worker_threads(nproc)
     try:
         with _restored_process_state(), _quiet_agent_logs():
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             # Every worker starts from this process's RNG state (seed_everything's seed, or whatever state it has),
             # as the script's code after this call would: the workers do not run the script's main block.
-            returns = elastic_launch(config, run_worker)(payload, str(workdir), threads, rng_state())
+            returns = elastic_launch(config, run_worker)(
+                payload, str(workdir), threads, rng_state(), warm_start.LaunchingProcessState()
+            )
     except SignalException as err:
         shutil.rmtree(workdir, ignore_errors=True)
         if err.sigval not in (signal.SIGTERM, signal.SIGINT):
@@ -192,9 +196,11 @@ def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> Non
     trainer.adopt_worker_state(module, state)
 
 
-def run_worker(payload: bytes, workdir: str, threads: int, launch_rng: dict[str, Any] | None = None) -> bytes | None:
+def run_worker(payload: bytes, workdir: str, threads: int, launch_rng: dict[str, Any] | None = None,
+               launching_process: None = None) -> bytes | None:
     """The entry point of every worker: unpickle the job, take the launching process's RNG state, run the stage,
-    hand back the outcome."""
+    hand back the outcome. (`launching_process`, a warm_start.LaunchingProcessState, took effect as it was
+    unpickled, before torch's agent set the worker up.)"""
     environment = detect_environment()
     try:
         if threads:
@@ -287,6 +293,15 @@ def _picklable(obj: Any) -> bool:
     return True
 
 
+def _worker_threads(nproc: int) -> int:
+    """Torch threads per worker: the user's OMP_NUM_THREADS, else the cores shared among this node's workers
+    (set explicitly: a worker forked from the forkserver keeps the thread count the forkserver started with)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return max(1, usable_cores() // nproc)
+
+
 def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) -> tuple[LaunchConfig, int]:
     """The elastic agent's settings, and this node's rank."""
     if num_nodes == 1:
@@ -307,7 +322,8 @@ def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) 
     config = LaunchConfig(
         min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
-        max_restarts=trainer.config.max_restarts, monitor_interval=0.25, start_method="spawn",
+        max_restarts=trainer.config.max_restarts, monitor_interval=0.25,
+        start_method="forkserver" if warm_start.available() else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "output"), redirects={r: Std.ALL for r in quiet}),
         **options,
     )
