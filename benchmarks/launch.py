@@ -1,13 +1,14 @@
 """Launch to first training step: `python train.py` with Trainer(strategy="ddp", devices=2) against `torchrun
 --nproc-per-node=2` running the hand-written DDP script, both training the same model on the same data.
 
-    python benchmarks/launch.py [--invocations 6] [--unguarded]
+    python benchmarks/launch.py [--invocations 6] [--unguarded] [--cold]
 
 Each invocation is a fresh command (every import is paid, as a user pays it), timed from just before the command
 starts to the end of rank 0's first optimizer step (both ranks took part: its all-reduce). The sides alternate,
 each going first in every other round, so drift in the machine's load hits both alike. Prints each side's median
 and spread (min-max) in seconds and its ratio to torchrun's median (target <= 1.0). `--unguarded` also times the
-Trainer script without its main guard (Lightning's launch: rank 1 re-runs the command line).
+Trainer script without its main guard (Lightning's launch: rank 1 re-runs the command line); `--cold` also the
+guarded script with workers spawned as fresh interpreters (the launch before trainer/warm_start.py).
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ def time_command(command: list[str]) -> float:
     """Seconds from the command's start to rank 0's first step."""
     with tempfile.TemporaryDirectory() as out:
         start = time.time()
-        subprocess.run([*command, out], check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run([*command, out], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
         return float(Path(out, "first_step").read_text()) - start
 
 
@@ -110,10 +113,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--invocations", type=int, default=6)
     parser.add_argument("--unguarded", action="store_true")
+    parser.add_argument("--cold", action="store_true")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
-    scripts = {"hand.py": HAND_WRITTEN, "train.py": TRAINER + '\nif __name__ == "__main__":\n    main()\n',
-               "unguarded.py": TRAINER + "\nmain()\n"}
+    guarded = TRAINER + '\nif __name__ == "__main__":\n    main()\n'
+    no_forkserver = "import torchyard.trainer.warm_start as warm_start\nwarm_start.available = lambda: False\n"
+    scripts = {"hand.py": HAND_WRITTEN, "train.py": guarded, "unguarded.py": TRAINER + "\nmain()\n",
+               "cold.py": no_forkserver + guarded}
     for name, text in scripts.items():
         (folder / name).write_text(text)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -121,6 +127,8 @@ def main() -> None:
              "python train.py": [sys.executable, str(folder / "train.py")]}
     if args.unguarded:
         sides["python unguarded.py"] = [sys.executable, str(folder / "unguarded.py")]
+    if args.cold:
+        sides["python cold.py"] = [sys.executable, str(folder / "cold.py")]
     os.environ.pop("OMP_NUM_THREADS", None)  # each launcher sets its own
     times: dict[str, list[float]] = {name: [] for name in sides}
     for round_index in range(args.invocations):
