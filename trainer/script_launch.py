@@ -148,5 +148,6 @@ def start_script_ranks(processes_per_node: int, num_nodes: int) -> tuple[ScriptR
     }
     # As Lightning does, this process keeps its rank's variables: a later stage of the script joins the same job.
     os.environ.update(rank_env(0))
-    torch.set_num_threads(int(threads))
+    if threads.isdigit():  # the user's OMP_NUM_THREADS may be a nested list ("4,2"): then left to OpenMP
+        torch.set_num_threads(max(1, int(threads)))
     return ScriptRanks(processes, world_size), detect_environment()
