@@ -5,9 +5,11 @@ code after `fit` included, runs on every rank. (A guarded script is spawned inst
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -23,11 +25,23 @@ from torchyard.trainer.environment import (
     node_rendezvous,
     usable_cores,
 )
+from torchyard.trainer.rng import rng_state, set_rng_state
 
 #: Seconds rank 0 gets to fail on its own once another rank died, before the watcher ends it (a rank that died
 #: before the rendezvous leaves rank 0 waiting for it until the collective timeout).
 FAILURE_GRACE_S = 10.0
 _STOPPED_EXIT_CODES = (0, faults.SIGTERM_EXIT_CODE, faults.SIGINT_EXIT_CODE)
+#: The file holding rank 0's RNG state as its stage started, for the other ranks to start their first stage from.
+LAUNCH_RNG_VARIABLE = "TORCHYARD_LAUNCH_RNG"
+
+
+def adopt_rank_zero_rng() -> None:
+    """On a rank this module started: take rank 0's RNG state at its stage's start, once (the first stage), so that
+    every rank draws as rank 0 does whether or not the script seeded (a seed, Trainer's or the script's, gives the
+    same state anyway)."""
+    path = os.environ.pop(LAUNCH_RNG_VARIABLE, None)
+    if path:
+        set_rng_state(torch.load(path, weights_only=True))
 
 
 def rerun_command() -> list[str]:
@@ -142,8 +156,11 @@ def start_script_ranks(processes_per_node: int, num_nodes: int) -> tuple[ScriptR
         )
 
     command = rerun_command()
+    carried = {LAUNCH_RNG_VARIABLE: _saved_rng_state()}
     processes = {
-        node_rank * processes_per_node + local: subprocess.Popen(command, env={**os.environ, **rank_env(local)})
+        node_rank * processes_per_node + local: subprocess.Popen(
+            command, env={**os.environ, **rank_env(local), **carried}
+        )
         for local in range(1, processes_per_node)
     }
     # As Lightning does, this process keeps its rank's variables: a later stage of the script joins the same job.
@@ -151,3 +168,17 @@ def start_script_ranks(processes_per_node: int, num_nodes: int) -> tuple[ScriptR
     if threads.isdigit():  # the user's OMP_NUM_THREADS may be a nested list ("4,2"): then left to OpenMP
         torch.set_num_threads(max(1, int(threads)))
     return ScriptRanks(processes, world_size), detect_environment()
+
+
+def _saved_rng_state() -> str:
+    """This process's RNG state in a file (removed when the script ends, after the other ranks): its path."""
+    fd, path = tempfile.mkstemp(prefix="trainer-rng-", suffix=".pt")
+    with os.fdopen(fd, "wb") as file:
+        torch.save(rng_state(), file)
+    atexit.register(_remove_quietly, path)
+    return path
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)

@@ -44,6 +44,7 @@ from torchyard.trainer.resume import (
 )
 from torchyard.trainer.rng import seed_everything, set_determinism
 from torchyard.trainer.runs import RunFolder
+from torchyard.trainer.script_launch import adopt_rank_zero_rng
 from torchyard.trainer.state import build_checkpoint, restore_checkpoint
 from torchyard.trainer.strategies import Strategy, build_strategy
 from torchyard.trainer.trainer_properties import TrainerProperties
@@ -204,6 +205,7 @@ class Trainer(TrainerProperties):
         after a fit does not show the fit's), seeds and determinism."""
         self.stage, self.module, self.datamodule, self._loop.should_stop = stage, module, datamodule, False
         self._hooks = Hooks(self, self.callbacks, module)  # callbacks and module are fixed for the stage from here on
+        adopt_rank_zero_rng()  # a rank that re-ran a script without a main guard starts from rank 0's RNG state
         if self.config.seed is not None:
             seed_everything(self.config.seed)
         set_determinism(self.config.deterministic, self.config.benchmark)

@@ -25,7 +25,7 @@ def reference_net() -> nn.Module:
 
 
 #: The torchrun run: one batch per rank per epoch, so how samples are ordered within an epoch cannot matter.
-TORCHRUN_RUN = dict(lr=0.1, batch=4, epochs=3, seed=5)
+TORCHRUN_RUN = dict(lr=0.1, batch=4, epochs=3, seed=0)
 
 
 def reference_data(samples: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,13 +182,15 @@ def refused_script(tmp_path: Path, name: str, text: str) -> tuple[str, Path]:
 @pytest.mark.timeout(240)
 def test_a_script_without_a_main_guard_runs_on_every_rank_like_a_hand_written_torchrun_loop(tmp_path):
     """Lightning's launch: `python script.py` becomes rank 0 and rank 1 re-runs the command line; the weights
-    equal the hand-written DDP loop's under torchrun bitwise, and the code after fit runs on both ranks."""
+    equal the hand-written DDP loop's under torchrun bitwise, the code after fit runs on both ranks, and rank 1
+    started training from rank 0's RNG state although nothing was seeded."""
     reference = [*TORCHRUN, "--standalone", "--nproc-per-node=2", str(STRATEGY_TESTS / "ddp_reference.py"),
                  str(tmp_path / "reference.pt")]
     script = [sys.executable, str(SCRIPT.parent / "unguarded_script.py"), str(tmp_path)]
     results = launch([(script, {}), (reference, {})], tmp_path, pythonpath=[STRATEGY_TESTS])
     assert [code for code, _, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     expected = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert load_rank(tmp_path, 0)["draws"] == load_rank(tmp_path, 1)["draws"]
     for rank in (0, 1):
         after_fit = load_rank(tmp_path, rank)
         assert after_fit["world_size"] == 2 and after_fit["rank_sum"] == 1.0
