@@ -104,9 +104,13 @@ def time_command(command: list[str]) -> float:
     with tempfile.TemporaryDirectory() as out:
         start = time.time()
         done = subprocess.run([*command, out], capture_output=True, text=True)
-        if done.returncode != 0:
+        stamp = Path(out, "first_step")
+        # Only a failure before the first step spoils the figure (gloo now and then aborts a process at exit).
+        if not stamp.exists():
             raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-        return float(Path(out, "first_step").read_text()) - start
+        if done.returncode != 0:
+            print(f"(after its first step, {' '.join(command[-2:])} exited with code {done.returncode})")
+        return float(stamp.read_text()) - start
 
 
 def main() -> None:
