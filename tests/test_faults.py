@@ -109,18 +109,24 @@ def single_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ddp_run(ddp_reference):
-    """The uninterrupted 2-process ddp run, started from this process (conftest.py: shared with the Ray tests)."""
-    weights, root = ddp_reference
-    return weights, metrics_rows(root)
+def uninterrupted(ddp_reference, tmp_path_factory):
+    """The uninterrupted 2-process run of a strategy, started from this process, by where its seed came from (each
+    run once): weights and metrics.csv rows. ddp seeded by the Trainer is conftest.py's, shared with the Ray tests."""
+    runs = {("ddp", "trainer"): (ddp_reference[0], metrics_rows(ddp_reference[1]))}
+
+    def run(strategy: str = "ddp", seed_from: str = "trainer") -> tuple[dict[str, torch.Tensor], list[dict[str, str]]]:
+        if (strategy, seed_from) not in runs:
+            root = tmp_path_factory.mktemp(f"{strategy}_reference_{seed_from}")
+            module = fit(root, strategy, seed_from=seed_from)
+            runs[strategy, seed_from] = module.state_dict(), metrics_rows(root)
+        return runs[strategy, seed_from]
+
+    return run
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    """The uninterrupted 2-process fsdp run (sharded checkpoints), started from this process."""
-    root = tmp_path_factory.mktemp("fsdp_reference")
-    module = fit(root, "fsdp")
-    return module.state_dict(), metrics_rows(root)
+def ddp_run(uninterrupted):
+    return uninterrupted("ddp")
 
 
 # --------------------------------------------------------------------------- one process
@@ -367,15 +373,25 @@ def test_ranks_exchange_sigterm_flags_every_few_steps_and_act_on_them_together(m
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_weights(strategy, tmp_path, capfd,
-                                                                                        request):
-    uninterrupted = request.getfixturevalue(f"{strategy}_run")
-    module = fit(tmp_path, strategy, [KillAt(5, rank=1)], max_restarts=1)  # rank 1 dies mid-epoch 0
+@pytest.mark.parametrize(("strategy", "seed_from"), [("ddp", "trainer"), ("ddp", "seed_everything"),
+                                                 ("fsdp", "trainer")])
+def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_weights(
+    uninterrupted, tmp_path, capfd, strategy, seed_from
+):
+    """The seed from Trainer(seed=) or from the script's seed_everything (which reaches the workers as the
+    launching process's RNG state): the run that lost rank 1 and restarted ends on the uninterrupted weights."""
+    module = fit(tmp_path, strategy, [KillAt(5, rank=1)], max_restarts=1, seed_from=seed_from)  # rank 1 dies at 5
     assert "restart 1: resuming from" in capfd.readouterr().err
     assert starts(tmp_path) == ["0 0", "1 3"]  # the restarted group began at the last checkpoint, not at 0
-    assert_same_weights(module.state_dict(), uninterrupted[0])
-    assert metrics_rows(tmp_path) == uninterrupted[1]
+    assert_same_weights(module.state_dict(), uninterrupted(strategy, seed_from)[0])
+    assert metrics_rows(tmp_path) == uninterrupted(strategy, seed_from)[1]
+
+
+@pytest.mark.timeout(120)
+def test_seed_everything_in_the_script_makes_two_ddp_runs_with_dropout_and_a_shuffled_loader_equal(uninterrupted,
+                                                                                                   tmp_path):
+    again = fit(tmp_path, "ddp", seed_from="seed_everything")
+    assert_same_weights(again.state_dict(), uninterrupted("ddp", "seed_everything")[0])
 
 
 @pytest.mark.timeout(240)

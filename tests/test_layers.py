@@ -20,11 +20,13 @@ LAYERS: dict[str, int] = {
     # 0: the exception types and message helpers every file raises with
     f"{T}.errors": 0,
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
-    #    folders, fault signals, checkpoint files, batch order and device moves, and the Callback interface
+    #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, and where
+    #    the running script called us (under its main guard or not)
     f"{T}.environment": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
-    f"{T}.batches": 1, f"{C}.base": 1, f"{T}.combined": 1, f"{T}.hparams": 1,
-    # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class
-    f"{T}.loggers": 2,
+    f"{T}.batches": 1, f"{C}.base": 1, f"{T}.combined": 1, f"{T}.hparams": 1, f"{T}.script_guard": 1,
+    # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class;
+    #    the forkserver that the workers of a spawned job fork from (it asks where the script called us)
+    f"{T}.loggers": 2, f"{T}.warm_start": 2,
     #    and the checks every node of a multi-node job runs before the nodes meet
     f"{T}.node_checks": 2,
     # 3: the option schema: every Trainer option, its checks, the run's config.yaml; the evaluator's record of a run
@@ -55,6 +57,8 @@ LAYERS: dict[str, int] = {
     #     and the evaluator side process's callback (it validates with the Trainer class it is handed, not imports)
     f"{T}.evaluator": 14, f"{C}.step_timing": 14,
     C: 15,
+    # 15: a script without a main guard re-run for the job's other ranks (Lightning's launch), which launcher uses
+    f"{T}.script_launch": 15,
     # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
     f"{T}.preflight": 16, f"{T}.launcher": 16, f"{T}.ray_launcher": 16, f"{T}.trainer_properties": 16,

@@ -3,18 +3,14 @@ What that asks of a script (the `__main__` guard, picklable objects) is in docs/
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import inspect
 import io
 import logging
-import multiprocessing
 import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -30,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from torchyard.trainer import faults, node_checks
+from torchyard.trainer import faults, node_checks, warm_start
 from torchyard.trainer.environment import (
     ClusterEnvironment,
     detect_environment,
@@ -39,12 +35,20 @@ from torchyard.trainer.environment import (
     usable_cores,
 )
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.rng import rng_state, set_rng_state
+from torchyard.trainer.script_guard import (
+    GUARD_HINT,
+    ScriptCall,
+    in_spawn_bootstrap,
+    names_bound_only_under_the_guard,
+    script_call,
+)
+from torchyard.trainer.script_launch import start_script_ranks
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
     from torchyard.trainer.trainer import Trainer
 
-GUARD_HINT = 'put the code that builds the Trainer and calls fit under `if __name__ == "__main__":`'
 
 
 class WorkerTraceback(Exception):
@@ -60,9 +64,13 @@ class WorkerTraceback(Exception):
 
 def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     """Run `trainer._run(stage, *run_args)` on every process of the job; return rank 0's outcome (on another
-    node, the outcome of that node's first rank, with the same weights)."""
+    node, the outcome of that node's first rank, with the same weights). A script whose main guard holds the
+    call spawns its workers; one without a guard re-runs its command line for the other ranks and this process
+    runs rank 0 (its outcome then carries no state to adopt: the module trained here)."""
     strategy = trainer.strategy
-    _refuse_unguarded_main(strategy.job_size)
+    script = _calling_script()
+    if script is not None and not script.guarded:
+        return _run_as_rank_zero(trainer, stage, run_args, script)
     nproc, num_nodes = strategy.processes_per_node(), strategy.num_nodes
     first_node = num_nodes == 1 or _check_master_before_rendezvous(trainer)
     if first_node:
@@ -72,13 +80,19 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
             _ = logger.version
         _ = trainer.log_dir
     payload = _pickle_job(trainer, stage, run_args)
+    if warm_start.available():
+        warm_start.start()  # already running when the Trainer started it early
     workdir = Path(tempfile.mkdtemp(prefix="trainer-launch-"))
     config, node_rank = _launch_config(trainer, nproc, num_nodes, workdir)
-    threads = 0 if "OMP_NUM_THREADS" in os.environ else max(1, usable_cores() // nproc)
+    threads = _worker_threads(nproc)
     try:
         with _restored_process_state(), _quiet_agent_logs():
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-            returns = elastic_launch(config, run_worker)(payload, str(workdir), threads)
+            # Every worker starts from this process's RNG state (seed_everything's seed, or whatever state it has),
+            # as the script's code after this call would: the workers do not run the script's main block.
+            returns = elastic_launch(config, run_worker)(
+                payload, str(workdir), threads, rng_state(), warm_start.LaunchingProcessState()
+            )
     except SignalException as err:
         shutil.rmtree(workdir, ignore_errors=True)
         if err.sigval not in (signal.SIGTERM, signal.SIGINT):
@@ -185,13 +199,18 @@ def adopt(trainer: Trainer, module: TrainModule, outcome: dict[str, Any]) -> Non
     trainer.adopt_worker_state(module, state)
 
 
-def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:
-    """The entry point of every worker: unpickle the job, run the stage, hand back the outcome."""
+def run_worker(payload: bytes, workdir: str, threads: int, launch_rng: dict[str, Any] | None = None,
+               launching_process: None = None) -> bytes | None:
+    """The entry point of every worker: unpickle the job, take the launching process's RNG state, run the stage,
+    hand back the outcome. (`launching_process`, a warm_start.LaunchingProcessState, took effect as it was
+    unpickled, before torch's agent set the worker up.)"""
     environment = detect_environment()
     try:
         if threads:
             torch.set_num_threads(threads)
         trainer, stage, run_args = pickle.loads(payload)
+        if launch_rng is not None:
+            set_rng_state(launch_rng)
         outcome = trainer._run(stage, *run_args, hand_back=True)
     except faults.Terminated:
         raise  # SIGTERM: the checkpoint is saved; exit with its code, there is no failure to report
@@ -206,74 +225,25 @@ def run_worker(payload: bytes, workdir: str, threads: int) -> bytes | None:
 # --------------------------------------------------------------------------- before the launch
 
 
-def _refuse_unguarded_main(job_size: int) -> None:
-    """A clear error when the workers' re-import of the script would start the job again."""
-    if _in_spawn_bootstrap():
-        # We are a worker re-importing a script whose guard the check below could not see.
+def _calling_script() -> ScriptCall | None:
+    """Where the script called fit; a clear error when a worker's re-import of the script started it again."""
+    if in_spawn_bootstrap():
+        # We are a worker re-importing a script whose guard the check could not see.
         raise SystemExit(f"trainer: the script started the job again while a worker imported it; {GUARD_HINT}.")
-    frame = inspect.currentframe()
-    while frame is not None and not (
-        frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>"
-    ):
-        frame = frame.f_back
-    if frame is None:
-        return  # called from an interactive session or `python -c`: nothing is re-imported
-    path, line = frame.f_code.co_filename, frame.f_lineno
-    del frame
-    tree = _script_tree(path)
-    if tree is None:
-        return
-    for node in tree.body:
-        if (
-            isinstance(node, ast.If)
-            and _tests_dunder_name(node.test)
-            and node.lineno <= line <= (node.end_lineno or line)
-        ):
-            return
-    raise MisconfigurationError(
-        f"{path}:{line} starts a {job_size}-process job at the top level of the script, but every worker process "
-        f"re-imports the script; {GUARD_HINT}."
-    )
+    return script_call()
 
 
-def _script_tree(path: str) -> ast.Module | None:
-    """The script's syntax tree; None when it cannot be read or parsed (the checks on it are then skipped)."""
-    try:
-        return ast.parse(Path(path).read_text())
-    except (OSError, SyntaxError, ValueError):
-        return None
-
-
-def _tests_dunder_name(test: ast.expr) -> bool:
-    return any(isinstance(node, ast.Name) and node.id == "__name__" for node in ast.walk(test))
-
-
-def _in_spawn_bootstrap() -> bool:
-    # multiprocessing flags a spawned child while it re-imports the parent's main module (and refuses to
-    # start processes then); the flag is private, so it is read here only, defensively.
-    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
-
-
-def _names_bound_only_under_the_guard() -> tuple[str, set[str]]:
-    """(the script's path, the classes and functions it defines only inside `if __name__ == "__main__":`)."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    tree = _script_tree(path) if path else None
-    if tree is None:
-        return "", set()
-    guarded = [node for node in tree.body if isinstance(node, ast.If) and _tests_dunder_name(node.test)]
-    return str(path), _defined_names(guarded) - _defined_names([n for n in tree.body if n not in guarded])
-
-
-def _defined_names(statements: list[ast.stmt]) -> set[str]:
-    """Classes and functions defined by `statements`, inside their if/for/with/try blocks too."""
-    names: set[str] = set()
-    for node in statements:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-            continue
-        for block in ("body", "orelse", "finalbody", "handlers"):
-            names |= _defined_names(getattr(node, block, []))
-    return names
+def _run_as_rank_zero(trainer: Trainer, stage: str, run_args: tuple[Any, ...], script: ScriptCall) -> dict[str, Any]:
+    """Lightning's launch of an unguarded script: the other ranks run its command line, this process is rank 0."""
+    restarts = trainer.config.max_restarts
+    if restarts:
+        raise MisconfigurationError(
+            f"max_restarts={restarts} restarts workers that the script starts under its main guard, but "
+            f"{script.path}:{script.line} starts a {trainer.strategy.job_size}-process job at its top level; "
+            f"{GUARD_HINT}, or run it with `torchrun --max-restarts={restarts}`."
+        )
+    ranks, environment = start_script_ranks(trainer.strategy.processes_per_node(), trainer.strategy.num_nodes)
+    return ranks.run_rank_zero(lambda: trainer._run(stage, *run_args, environment=environment))
 
 
 class _GuardedDefinitionCheck(pickle.Pickler):
@@ -298,7 +268,7 @@ class _GuardedDefinitionCheck(pickle.Pickler):
 def _pickle_job(trainer: Trainer, stage: str, run_args: tuple[Any, ...]) -> bytes:
     """The job as bytes for the workers; a clear error naming the part that cannot be pickled."""
     try:
-        path, guarded = _names_bound_only_under_the_guard()
+        path, guarded = names_bound_only_under_the_guard()
         if not guarded:
             return pickle.dumps((trainer, stage, run_args), protocol=pickle.HIGHEST_PROTOCOL)
         buffer = io.BytesIO()
@@ -334,6 +304,15 @@ def _check_master_before_rendezvous(trainer: Trainer) -> bool:
     return node_rank == 0
 
 
+def _worker_threads(nproc: int) -> int:
+    """Torch threads per worker: the user's OMP_NUM_THREADS, else the cores shared among this node's workers
+    (set explicitly: a worker forked from the forkserver keeps the thread count the forkserver started with)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return max(1, usable_cores() // nproc)
+
+
 def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) -> tuple[LaunchConfig, int]:
     """The elastic agent's settings, and this node's rank."""
     if num_nodes == 1:
@@ -354,7 +333,8 @@ def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) 
     config = LaunchConfig(
         min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
-        max_restarts=trainer.config.max_restarts, monitor_interval=0.25, start_method="spawn",
+        max_restarts=trainer.config.max_restarts, monitor_interval=0.25,
+        start_method="forkserver" if warm_start.available() else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "output"), redirects={r: Std.ALL for r in quiet}),
         **options,
     )

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchyard.callbacks.base import Callback
-from torchyard.trainer import faults
+from torchyard.trainer import faults, warm_start
 from torchyard.trainer.batches import batch_limit
 from torchyard.trainer.config import TrainerConfig, make_config
 from torchyard.trainer.data import DataModule, build_loaders, stage_loaders
@@ -46,6 +46,7 @@ from torchyard.trainer.resume import (
 )
 from torchyard.trainer.rng import seed_everything, set_determinism
 from torchyard.trainer.runs import RunFolder
+from torchyard.trainer.script_launch import adopt_rank_zero_rng
 from torchyard.trainer.state import build_checkpoint, restore_checkpoint
 from torchyard.trainer.strategies import Strategy, build_strategy
 from torchyard.trainer.strategies.base import resolve_accelerator
@@ -74,6 +75,7 @@ class Trainer(TrainerProperties):
         given = callback_list(callbacks, "callbacks must be")
         self.callbacks: list[Callback] = with_default_callbacks(self.config, given)
         self.strategy.check_config(self.config, self.callbacks)
+        self._start_workers_early()
         self.stage: str | None = None
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
@@ -97,6 +99,12 @@ class Trainer(TrainerProperties):
         fit keeps the fit's ModelCheckpoint (its best path)."""
         if self._callbacks_configured_by is not module:
             self.callbacks, self._callbacks_configured_by = module_callbacks(self, module), module
+
+    def _start_workers_early(self) -> None:
+        """A job this process will start: the workers' forkserver imports from now on, beside the script's set-up."""
+        with contextlib.suppress(MisconfigurationError):  # an environment error is raised where it matters, at fit
+            if self.strategy.job_size > 1 and not self.strategy.detect_environment().launched:
+                warm_start.start_early()
 
     # ------------------------------------------------------------------ entry points
     # The entry points take Lightning's names and argument order (`model`, a DataModule in the dataloaders
@@ -204,6 +212,7 @@ class Trainer(TrainerProperties):
         after a fit does not show the fit's), seeds and determinism."""
         self.stage, self.module, self.datamodule, self._loop.should_stop = stage, module, datamodule, False
         self._hooks = Hooks(self, self.callbacks, module)  # callbacks and module are fixed for the stage from here on
+        adopt_rank_zero_rng()  # a rank that re-ran a script without a main guard starts from rank 0's RNG state
         if self.config.seed is not None:
             seed_everything(self.config.seed)
         set_determinism(self.config.deterministic, self.config.benchmark)

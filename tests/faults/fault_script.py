@@ -1,12 +1,15 @@
 """A small training run that tests/test_faults.py starts, kills and resumes, in a subprocess or in pytest.
 
     python fault_script.py <root> <single|ddp|fsdp> [--kill-at STEP] [--slow-from STEP] [--slow-write-at STEP]
+                           [--seed-from trainer|seed_everything]
 
 fsdp runs on 2 processes, as ddp, saving sharded checkpoint folders.
 --kill-at: the process SIGKILLs itself right after optimizer step STEP (rank 1 under ddp and fsdp).
 --slow-from: from step STEP on, rank 0 writes <root>/marker and then sleeps 0.5 s per batch, leaving the
 test time to signal the run while it trains.
 --slow-write-at: at step STEP the checkpoint write stalls half-way, after writing <root>/marker.
+--seed-from: the run's seed is Trainer(seed=) (the default), or seed_everything in the script (no Trainer seed),
+which the workers get from the launching process's RNG state.
 
 The run: dropout, Adam and a StepLR, a shuffled loader, step and epoch metrics in metrics.csv, and a
 ModelCheckpoint every 3 steps keeping every file plus last.ckpt, so a resume must restore RNG, optimizer,
@@ -27,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback, ModelCheckpoint
-from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer import Trainer, TrainModule, seed_everything
 
 SAMPLES, BATCH, EPOCHS, SEED = 48, 4, 2, 7  # one process: 12 steps an epoch; ddp on 2: 6
 #: The strategy each name runs, and on how many processes.
@@ -148,20 +151,25 @@ def loaders() -> tuple[DataLoader, DataLoader]:
     return DataLoader(dataset(), batch_size=BATCH, shuffle=True), DataLoader(dataset(20, offset=1), batch_size=BATCH)
 
 
-def make_trainer(root: str | Path, strategy: str, callbacks=(), **options) -> Trainer:
+def make_trainer(root: str | Path, strategy: str, callbacks=(), seed: int | None = SEED, **options) -> Trainer:
     checkpoints = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1, save_last=True)
     spec, devices = STRATEGIES[strategy]
     return Trainer(
-        strategy=spec, devices=devices, accelerator="cpu", max_epochs=EPOCHS, seed=SEED,
+        strategy=spec, devices=devices, accelerator="cpu", max_epochs=EPOCHS, seed=seed,
         deterministic=True, log_every_n_steps=1, num_sanity_val_steps=0, default_root_dir=str(root),
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[*callbacks, StartLog(str(Path(root, "starts.txt").absolute())), checkpoints], **options,
     )
 
 
-def fit(root: str | Path, strategy: str, callbacks=(), ckpt_path=None, **options) -> Net:
-    """One fit; the module (same initial weights every time; a resumed run overwrites them anyway)."""
-    torch.manual_seed(0)
+def fit(root: str | Path, strategy: str, callbacks=(), ckpt_path=None, seed_from: str = "trainer", **options) -> Net:
+    """One fit; the module (same initial weights every time; a resumed run overwrites them anyway). `seed_from`:
+    Trainer(seed=SEED), or seed_everything(SEED) before the module is built and no Trainer seed."""
+    if seed_from == "seed_everything":
+        seed_everything(SEED)
+        options["seed"] = None
+    else:
+        torch.manual_seed(0)
     module = Net()
     make_trainer(root, strategy, callbacks, **options).fit(module, *loaders(), ckpt_path=ckpt_path)
     return module
@@ -174,6 +182,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--slow-from", type=int)
     parser.add_argument("--slow-write-at", type=int)
+    parser.add_argument("--seed-from", choices=["trainer", "seed_everything"], default="trainer")
     args = parser.parse_args()
     marker = str(Path(args.root) / "marker")
     callbacks: list[Callback] = []
@@ -183,7 +192,7 @@ def main() -> None:
         callbacks.append(SlowFrom(args.slow_from, marker))
     if args.slow_write_at is not None:
         callbacks.append(StallCheckpointWriteAt(args.slow_write_at, marker))
-    fit(args.root, args.strategy, callbacks)
+    fit(args.root, args.strategy, callbacks, seed_from=args.seed_from)
 
 
 if __name__ == "__main__":

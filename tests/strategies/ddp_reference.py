@@ -1,11 +1,16 @@
 """The hand-written torch DDP loop the ddp tests compare against.
 
-It imports torch only (not the trainer), so its spawned processes start quickly.
+It imports torch only (not the trainer), so its spawned processes start quickly. Run by torchrun it is the
+textbook torchrun script (tests/torchrun/unguarded_script.py trains the same run with the Trainer):
+
+    torchrun --nproc-per-node 2 ddp_reference.py <out.pt>
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,11 +24,28 @@ def reference_net() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def ddp_worker(rank: int, port: int, init: dict, data: tuple, lr: float, batch: int, epochs: int, seed: int,
+#: The torchrun run: one batch per rank per epoch, so how samples are ordered within an epoch cannot matter.
+TORCHRUN_RUN = dict(lr=0.1, batch=4, epochs=3, seed=0)
+
+
+def reference_data(samples: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(samples, 5, generator=generator)
+    return x, x.sum(1, keepdim=True)
+
+
+def initial_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return reference_net().state_dict()
+
+
+def ddp_worker(rank: int, port: int | None, init: dict, data: tuple, lr: float, batch: int, epochs: int, seed: int,
                out: str) -> None:
-    """gloo, DistributedSampler(seed) with set_epoch, SGD with momentum: the textbook DDP loop."""
+    """gloo, DistributedSampler(seed) with set_epoch, SGD with momentum: the textbook DDP loop (port None: the
+    rendezvous torchrun set up)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    init_method = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     model = reference_net()
     model.load_state_dict(init)
@@ -41,3 +63,7 @@ def ddp_worker(rank: int, port: int, init: dict, data: tuple, lr: float, batch: 
         torch.save(model.state_dict(), out)
     del ddp
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ddp_worker(int(os.environ["RANK"]), None, initial_state(), reference_data(), out=sys.argv[1], **TORCHRUN_RUN)

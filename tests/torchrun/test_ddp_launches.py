@@ -21,15 +21,17 @@ import torch.nn.functional as F
 from torchyard.trainer.environment import find_free_port
 
 SCRIPT = Path(ddp_script.__file__)
+STRATEGY_TESTS = SCRIPT.parents[1] / "strategies"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def launch(
-    commands: list[tuple[list[str], dict[str, str]]], cwd: Path, timeout: float = 150
+    commands: list[tuple[list[str], dict[str, str]]], cwd: Path, timeout: float = 150, pythonpath: list[Path] = ()
 ) -> list[tuple[int, str, float]]:
     """Run the commands side by side; (exit code, output, seconds since start at exit) for each."""
     base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    base.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SCRIPT.parent), base.get("PYTHONPATH", "")]))
+    paths = [str(SCRIPT.parent), *map(str, pythonpath), base.get("PYTHONPATH", "")]
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
     start = time.time()
     procs = [subprocess.Popen(command, env={**base, **env}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True) for command, env in commands]
@@ -155,14 +157,15 @@ def test_two_nodes_started_by_the_trainer_itself_meet_at_master_addr(tmp_path):
         assert_trained_like_the_reference(torch.load(out / "caller.pt", weights_only=True))
 
 
-UNGUARDED = """
+UNGUARDED_WITH_RESTARTS = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torchyard.trainer import Trainer
 from ddp_script import Line
 
 data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
-Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False).fit(Line(), DataLoader(data, batch_size=4))
+trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False, max_restarts=2)
+trainer.fit(Line(), DataLoader(data, batch_size=4))
 """
 
 
@@ -172,18 +175,38 @@ def refused_script(tmp_path: Path, name: str, text: str) -> tuple[str, Path]:
     script.write_text(text)
     [(code, output, _)] = launch([([sys.executable, str(script)], {})], tmp_path)
     assert code != 0
-    assert "run_worker" not in output  # no worker ever ran
+    assert "run_worker" not in output and "[rank1]" not in output  # no worker ever ran
     return output.strip().splitlines()[-1], script
 
 
+@pytest.mark.timeout(240)
+def test_a_script_without_a_main_guard_runs_on_every_rank_like_a_hand_written_torchrun_loop(tmp_path):
+    """Lightning's launch: `python script.py` becomes rank 0 and rank 1 re-runs the command line; the weights
+    equal the hand-written DDP loop's under torchrun bitwise, the code after fit runs on both ranks, and rank 1
+    started training from rank 0's RNG state although nothing was seeded."""
+    reference = [*TORCHRUN, "--standalone", "--nproc-per-node=2", str(STRATEGY_TESTS / "ddp_reference.py"),
+                 str(tmp_path / "reference.pt")]
+    script = [sys.executable, str(SCRIPT.parent / "unguarded_script.py"), str(tmp_path)]
+    results = launch([(script, {}), (reference, {})], tmp_path, pythonpath=[STRATEGY_TESTS])
+    assert [code for code, _, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert load_rank(tmp_path, 0)["draws"] == load_rank(tmp_path, 1)["draws"]
+    for rank in (0, 1):
+        after_fit = load_rank(tmp_path, rank)
+        assert after_fit["world_size"] == 2 and after_fit["rank_sum"] == 1.0
+        assert after_fit["state_dict"].keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(after_fit["state_dict"][key], value), f"rank {rank}: {key} differs from torchrun's"
+
+
 @pytest.mark.timeout(120)
-def test_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
-    last, _ = refused_script(tmp_path, "unguarded.py", UNGUARDED)
-    assert (
-        last.startswith("torchyard.trainer.errors.MisconfigurationError: ")
-        and "unguarded.py:8 starts a 2-process job" in last
+def test_max_restarts_with_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
+    last, script = refused_script(tmp_path, "unguarded.py", UNGUARDED_WITH_RESTARTS)
+    assert last == (
+        f"torchyard.trainer.errors.MisconfigurationError: max_restarts=2 restarts workers that the script starts "
+        f"under its main guard, but {script}:9 starts a 2-process job at its top level; put the code that builds "
+        'the Trainer and calls fit under `if __name__ == "__main__":`, or run it with `torchrun --max-restarts=2`.'
     )
-    assert 'if __name__ == "__main__":' in last
 
 
 GUARDED_CLASS = """
