@@ -25,7 +25,6 @@ from torchyard.trainer.data import (
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.faults import StepGuard
 from torchyard.trainer.loop_state import Progress
-from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import SchedulerConfig, step_scheduler
 from torchyard.trainer.predictions import merge_prediction_shares, recording_batch_indices, shard_batches
 from torchyard.trainer.rng import rng_state, seeded, set_rng_state
@@ -228,7 +227,7 @@ def _use_loaders(trainer: Trainer, val_loaders: list[DataLoader]) -> tuple[int |
         )
     if config.limit_val_batches == 0:
         val_loaders = []  # validation turned off, sanity check included, as in Lightning
-    if val_loaders and type(trainer.module).validation_step is TrainModule.validation_step:
+    if val_loaders and not trainer.strategy.validates(trainer.module):
         if trainer.is_global_zero:
             warnings.warn(f"validation dataloaders were given, but {type(trainer.module).__name__} has no "
                           "validation_step, so the fit does not validate (as in Lightning); define validation_step "

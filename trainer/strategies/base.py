@@ -227,6 +227,10 @@ class Strategy(ABC):
                 f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); it has none."
             )
 
+    def validates(self, module: TrainModule) -> bool:
+        """Whether a fit given validation loaders validates `module` (it has a validation_step to run)."""
+        return type(module).validation_step is not TrainModule.validation_step
+
     def serve(self) -> bool:
         """Run this rank's part when it is not the loop (a parameter server answering the workers) until the
         job ends; True when it did, and the Trainer then skips the stage on this rank."""

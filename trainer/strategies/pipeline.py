@@ -173,6 +173,10 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     # ------------------------------------------------------------------ the model
     @override
+    def validates(self, module: TrainModule) -> bool:
+        return True  # without a pipeline_validation_step the last stage logs val/loss from pipeline_loss
+
+    @override
     def check_module(self, module: TrainModule, stage: str) -> None:
         if stage == "fit" and not module.automatic_optimization:
             raise MisconfigurationError(
