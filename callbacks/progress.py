@@ -81,7 +81,8 @@ class RichProgressBar(Callback):
             raise MisconfigurationError(f"RichProgressBar(line_interval={line_interval!r}) must be seconds >= 0.")
         self.refresh_rate, self.leave, self.refresh_interval = refresh_rate, leave, float(refresh_interval)
         self.line_interval = float(line_interval)
-        self._lines_stop: threading.Event | None = None  # set to end the epoch's periodic lines
+        self._lines_stop: threading.Event | None = None  # set to end the fit's periodic lines
+        self._line_epoch: float | None = None  # the running epoch's start (monotonic), for the lines' thread
         self._console_kwargs = dict(console_kwargs or {})
         self._user_console = console
         self._console: Console | None = None
@@ -200,7 +201,7 @@ class RichProgressBar(Callback):
             self._ended_epoch_batches = trainer.batches_this_epoch  # the loop resets it before on_train_end
             self._redraw()
             return
-        self._stop_lines()
+        self._line_epoch = None
         self._print_line(trainer)
 
     def _print_line(self, trainer: Trainer) -> None:
@@ -215,19 +216,25 @@ class RichProgressBar(Callback):
         self._console.print(Text(line), soft_wrap=True, highlight=False)
 
     def _start_lines(self) -> None:
-        """Outside a terminal: a line every line_interval seconds while the epoch runs, printed by a thread."""
-        if self.line_interval <= 0:
+        """Outside a terminal: a line every line_interval seconds of a running epoch, printed by one thread per fit
+        (started at the first epoch: a thread started per epoch costs its boundary milliseconds of hand-over)."""
+        self._line_epoch = self._epoch_started
+        if self.line_interval <= 0 or self._lines_stop is not None:
             return
-        self._stop_lines()
         self._lines_stop = stop = threading.Event()
         threading.Thread(target=self._print_lines, args=(stop,), name="progress-lines", daemon=True).start()
 
     def _print_lines(self, stop: threading.Event) -> None:
-        while not stop.wait(self.line_interval):
+        while True:
+            epoch_started = self._line_epoch  # None between epochs
+            since = time.monotonic() - epoch_started if epoch_started is not None else 0.0
+            if stop.wait(self.line_interval - since % self.line_interval):
+                return
             trainer = self._trainer
             if trainer is None:
                 return
-            self._print_line(trainer)
+            if epoch_started is not None and self._line_epoch == epoch_started:  # the same epoch still runs
+                self._print_line(trainer)
 
     def _stop_lines(self) -> None:
         if self._lines_stop is not None:
