@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from faults import fault_script
 from faults.fault_script import KillAt, Net, fit, starts
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback, ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule, faults
@@ -244,11 +244,13 @@ class Linear(TrainModule):
 
 
 def epoch_batches(epoch: int) -> list[list[int]]:
-    """The trainer's training order for `epoch`: its seeded sampler, batches of 4."""
-    sampler = DistributedSampler(poisoned_data(), num_replicas=1, rank=0, shuffle=True, seed=5)
-    sampler.set_epoch(epoch)
-    order = list(sampler)
-    return [order[i:i + 4] for i in range(0, len(order), 4)]
+    """The trainer's training order for `epoch`: the loader's own shuffle, drawn from the global RNG (seeded with 5
+    as the fit starts; nothing else draws from it here) as each epoch starts, batches of 4."""
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        indices = DataLoader(range(len(poisoned_data())), batch_size=4, shuffle=True)
+        orders = [[batch.tolist() for batch in indices] for _ in range(epoch + 1)]
+    return orders[epoch]
 
 
 def fit_poisoned(root: Path, **options) -> Linear:

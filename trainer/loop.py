@@ -17,6 +17,7 @@ from torchyard.trainer.batches import batch_limit, epoch_batches, val_every, val
 from torchyard.trainer.data import (
     batch_mover,
     data_wait_advice,
+    draw_epoch_order,
     measure_data_wait,
     set_epoch,
     skip_batches,
@@ -158,11 +159,28 @@ class FitEpochs:
         return True
 
     def _batches(self) -> Iterable[tuple[int, Any, bool]]:
-        batches = epoch_batches(self.train_loader, self.progress.epoch_batches, self.num_batches)
+        batches = epoch_batches(self._epoch_loader(), self.progress.epoch_batches, self.num_batches)
         if self.watch_data:
             batches = measure_data_wait(batches, functools.partial(_report_data_wait, self.trainer))
             self.watch_data = False
         return batches
+
+    def _epoch_loader(self) -> Iterable[Any]:
+        """The training loader, or its iterator started from the RNG state its epoch began with: a shuffling loader
+        draws its order (and worker seeds) from the global RNG as iteration starts, as in a plain loop."""
+        state, loader = self.state, self.train_loader
+        resumed, state.resumed_epoch_rng = state.resumed_epoch_rng, None
+        if resumed is None or self.progress.epoch_batches == 0:
+            state.epoch_start_rng = rng_state()
+            return loader
+        # A mid-epoch resume: the order is drawn again from the saved epoch start, then training goes on from the
+        # checkpoint's own state (the draws of the batches before it are behind it).
+        state.epoch_start_rng, now = resumed, rng_state()
+        set_rng_state(resumed)
+        iterator = iter(loader)
+        draw_epoch_order(loader)
+        set_rng_state(now)
+        return iterator
 
     def end_epoch(self, finished: bool) -> None:
         """The epoch's closing validation, then its values, schedulers, hooks and monitors, in Lightning's order."""

@@ -59,3 +59,8 @@ class LoopState:
     #: During predict: the dataset indices of the current batch (None where the loader cannot tell them).
     predict_batch_indices: list[int] | None = None
     return_predictions: bool = True
+    #: During fit: this rank's RNG state (rng.rng_state) as the running epoch began, when its loader drew its
+    #: order and worker seeds; a checkpoint keeps it, so that a mid-epoch resume draws the same order again.
+    epoch_start_rng: dict[str, Any] | None = None
+    #: After restoring a mid-epoch checkpoint: its epoch_start_rng, until the resumed epoch has drawn its order.
+    resumed_epoch_rng: dict[str, Any] | None = None
