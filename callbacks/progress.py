@@ -5,37 +5,18 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.text import Text
 
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+
     from torchyard.trainer.module import TrainModule
     from torchyard.trainer.trainer import Trainer
-
-
-class _SpeedColumn(ProgressColumn):
-    """Batches per second, as rich estimates it from the updates it was given."""
-
-    def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text(f"{speed:.1f} it/s" if speed is not None else "? it/s", style="progress.data.speed")
 
 
 def metrics_text(trainer: Trainer) -> str:
@@ -44,16 +25,39 @@ def metrics_text(trainer: Trainer) -> str:
     return " ".join([f"step={trainer.global_step}", *values])
 
 
-class _TrainerProgress(Progress):
-    """A rich Progress that reads the trainer just before each redraw (in rich's thread): the loop never calls it."""
+def _trainer_progress(before_render: Callable[[], None], console: Console, refresh_interval: float) -> Progress:
+    """A rich Progress that reads the trainer just before each redraw (in rich's thread): the loop never calls it.
+    rich is imported here, where a bar is drawn, so that `import` stays light (benchmarks/overhead.py)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
 
-    def __init__(self, *columns: Any, before_render: Any, **kwargs: Any) -> None:
-        self._before_render = before_render  # set first: rich may draw while it is being built
-        super().__init__(*columns, **kwargs)
+    class SpeedColumn(ProgressColumn):
+        """Batches per second, as rich estimates it from the updates it was given."""
 
-    def get_renderables(self) -> Iterable[Any]:
-        self._before_render()
-        yield from super().get_renderables()
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:.1f} it/s" if speed is not None else "? it/s", style="progress.data.speed")
+
+    class TrainerProgress(Progress):
+        def get_renderables(self) -> Iterable[Any]:
+            before_render()
+            yield from super().get_renderables()
+
+    return TrainerProgress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), SpeedColumn(),
+        TextColumn("{task.fields[metrics]}", markup=False), console=console, auto_refresh=refresh_interval > 0,
+        refresh_per_second=1 / refresh_interval if refresh_interval else 1,
+    )
 
 
 class RichProgressBar(Callback):
@@ -114,6 +118,8 @@ class RichProgressBar(Callback):
         if not self._enabled:
             return
         self._trainer = trainer
+        from rich.console import Console
+
         self._console = self._user_console or Console(**self._console_kwargs)
         self._interactive = self._console.is_terminal and not self._console.is_dumb_terminal
 
@@ -122,14 +128,8 @@ class RichProgressBar(Callback):
         if not (self._enabled and self._interactive):
             return None
         if self._progress is None:
-            self._progress = _TrainerProgress(
-                TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), _SpeedColumn(),
-                TextColumn("{task.fields[metrics]}", markup=False),
-                before_render=self._update_tasks, console=self._console,
-                auto_refresh=self.refresh_interval > 0,
-                refresh_per_second=1 / self.refresh_interval if self.refresh_interval else 1,
-            )
+            assert self._console is not None
+            self._progress = _trainer_progress(self._update_tasks, self._console, self.refresh_interval)
             self._progress.start()
         return self._progress
 
@@ -212,6 +212,8 @@ class RichProgressBar(Callback):
         count = f"{done}/{total}" if math.isfinite(total) else str(done)
         line = (f"{self._epoch_description(trainer)}: {count} batches, {elapsed:.1f}s, {rate:.1f} it/s, "
                 f"{metrics_text(trainer)}")
+        from rich.text import Text
+
         assert self._console is not None
         self._console.print(Text(line), soft_wrap=True, highlight=False)
 

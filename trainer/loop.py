@@ -166,20 +166,20 @@ class FitEpochs:
         return batches
 
     def _epoch_loader(self) -> Iterable[Any]:
-        """The training loader, or its iterator started from the RNG state its epoch began with: a shuffling loader
-        draws its order (and worker seeds) from the global RNG as iteration starts, as in a plain loop."""
+        """The training loader, or its iterator started from the torch RNG state its epoch began with: a shuffling
+        loader draws its order (and worker seeds) from torch's global RNG as iteration starts, as in a plain loop."""
         state, loader = self.state, self.train_loader
         resumed, state.resumed_epoch_rng = state.resumed_epoch_rng, None
         if resumed is None or self.progress.epoch_batches == 0:
-            state.epoch_start_rng = rng_state()
+            state.epoch_start_rng = torch.get_rng_state()  # a copy, about a microsecond
             return loader
         # A mid-epoch resume: the order is drawn again from the saved epoch start, then training goes on from the
         # checkpoint's own state (the draws of the batches before it are behind it).
-        state.epoch_start_rng, now = resumed, rng_state()
-        set_rng_state(resumed)
+        now, state.epoch_start_rng = torch.get_rng_state(), resumed
+        torch.set_rng_state(resumed.cpu())  # a checkpoint may have been mapped to a GPU
         iterator = iter(loader)
         draw_epoch_order(loader)
-        set_rng_state(now)
+        torch.set_rng_state(now)
         return iterator
 
     def end_epoch(self, finished: bool) -> None:

@@ -72,7 +72,7 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
         "callbacks": {callback.state_key: callback.state_dict() for callback in trainer.callbacks},
         # The step tells a resumed logger which of the rows logged after the checkpoint to keep.
         "loggers": [{**logger.state_dict(), "step": trainer.progress.batches_stepped} for logger in trainer.loggers],
-        # With the state the running epoch began with (its shuffle drew from it), for a resume mid-way.
+        # With torch's state as the running epoch began (its shuffle drew from it), for a resume mid-way.
         "rng": strategy.all_gather_object(_rng_with_epoch_start(trainer)),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
     }
@@ -82,7 +82,7 @@ def _rng_with_epoch_start(trainer: Trainer) -> dict[str, Any]:
     state = rng_state()
     epoch_start = trainer.loop_state.epoch_start_rng
     if epoch_start is not None:
-        state["epoch_start"] = epoch_start
+        state["torch_epoch_start"] = epoch_start
     return state
 
 
@@ -235,7 +235,7 @@ def restore_rng(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     if states:
         state = _this_ranks(trainer, states)
         set_rng_state(state)
-        trainer.loop_state.resumed_epoch_rng = state.get("epoch_start")
+        trainer.loop_state.resumed_epoch_rng = state.get("torch_epoch_start")
 
 
 def _this_ranks(trainer: Trainer, per_rank: list[Any]) -> Any:
