@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
 SIGINT_EXIT_CODE = 130  # 128 + SIGINT
 AGREE_EVERY_S = 0.2  # how often ranks stepping together exchange their SIGTERM flags (docs/fault-tolerance.md)
-AGREE_AHEAD_S = 0.05  # how far ahead, in time at the current pace, the step the ranks stop at is set
-MAX_AGREE_AHEAD = 64  # ... in step boundaries, at most: bounds the delay when steps slow down
+AGREE_AHEAD_S = 0.1  # how far ahead, in time at the current pace, the step the ranks stop at is set
+MAX_AGREE_AHEAD = 128  # ... in step boundaries, at most: bounds the delay when steps slow down
 
 
 class Terminated(SystemExit):
