@@ -1,6 +1,6 @@
 """Trainer(strategy="ddp") against a hand-written torch DDP loop: 2 CPU processes (gloo), same work.
 
-    python benchmarks/ddp.py [--steps 100] [--rounds 8] [--hidden 512] [--batch 64] [--lean] [--valgrind]
+    python benchmarks/ddp.py [--steps 100] [--rounds 8] [--hidden 512] [--batch 64] [--lean]
 
 The Trainer runs on its defaults (progress bar, CSV logger every 50 steps with `self.log("loss", prog_bar=True)`
 every step, ModelCheckpoint, the SIGTERM/NaN agreement between ranks); the hand-written loop writes its loss to a
@@ -10,8 +10,7 @@ so drift in the machine's load hits both alike. A step is timed from the end of 
 next (data loading, forward, backward, all-reduce, step and, for the Trainer, its loop, logging and
 callbacks). Prints the median time per step of each, their ratio (target <= 1.02), and the scaling
 efficiency: the median step time of one process (Trainer, strategy="single", same per-process batch)
-divided by the 2-process Trainer's (1.0 = perfect weak scaling). `--valgrind` prints instead rank 0's instructions
-per step on each side (cachegrind): a figure that a shared machine's load does not move.
+divided by the 2-process Trainer's (1.0 = perfect weak scaling).
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -148,46 +145,6 @@ def worker(rank: int, ports: list[int], args: argparse.Namespace, out: str) -> N
         torch.save(times, out)
 
 
-def one_side(rank: int, ports: list[int], args: argparse.Namespace) -> None:
-    """One side's fit for --valgrind; rank 0 writes its process id beside the counts."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
-    torch.set_num_threads(1)
-    if rank == 0:
-        (args.folder / "rank0.pid").write_text(str(os.getpid()))
-    data = make_data(2 * args.batch * (args.steps + WARMUP + 2))
-    if args.side == "hand":
-        hand_written(rank, ports[1], data, args)
-    else:
-        with_trainer(data, args, "ddp", tempfile.mkdtemp())
-
-
-def rank0_instructions(side: str, steps: int, folder: Path, args: argparse.Namespace) -> int:
-    """Instructions rank 0 executes in a `steps`-step run of one side, under valgrind's cachegrind."""
-    run = folder / f"{side}{steps}"
-    run.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}  # repeatable counts
-    extra = ["--lean"] if args.lean else []
-    subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--trace-children=yes",
-                    f"--cachegrind-out-file={run}/%p.out", sys.executable, __file__, "--side", side, "--steps",
-                    str(steps), "--folder", str(run), "--hidden", str(args.hidden), "--batch", str(args.batch), *extra],
-                   check=True, capture_output=True, env=env)
-    lines = (run / f"{(run / 'rank0.pid').read_text()}.out").read_text().splitlines()
-    return int(next(line for line in lines if line.startswith("summary:")).split()[1])
-
-
-def instruction_counts(args: argparse.Namespace, short: int = 10, long: int = 60) -> None:
-    """Rank 0's instructions per step on each side: the difference of a `long`- and a `short`-step run, so that
-    imports and set-up cancel out. Counts, unlike times, do not move with the load of a shared machine."""
-    with tempfile.TemporaryDirectory() as tmp:
-        per_step = {side: (rank0_instructions(side, long, Path(tmp), args)
-                           - rank0_instructions(side, short, Path(tmp), args)) / (long - short)
-                    for side in ("hand", "trainer")}
-    hand, ours = per_step["hand"], per_step["trainer"]
-    print(f"cachegrind, rank 0, instructions per step (runs of {long} and {short} steps): hand-written {hand:,.0f}, "
-          f"Trainer {ours:,.0f}, ratio {ours / hand:.4f}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
@@ -195,17 +152,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lean", action="store_true", help="the Trainer without bar, logger and checkpoints")
-    parser.add_argument("--valgrind", action="store_true",
-                        help="only count rank 0's instructions per step on each side (cachegrind, about 20 minutes)")
-    parser.add_argument("--side", choices=("hand", "trainer"), help=argparse.SUPPRESS)  # one run, for --valgrind
-    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.side is not None:
-        mp.spawn(one_side, args=([find_free_port(), find_free_port()], args), nprocs=2, join=True)
-        return
-    if args.valgrind:
-        instruction_counts(args)
-        return
     out = Path(tempfile.mkdtemp()) / "times.pt"
     ports = [find_free_port() for _ in range(args.rounds + 1)]
     mp.spawn(worker, args=(ports, args, str(out)), nprocs=2, join=True)
