@@ -6,37 +6,18 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.text import Text
 
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+
     from torchyard.trainer.module import TrainModule
     from torchyard.trainer.trainer import Trainer
-
-
-class _SpeedColumn(ProgressColumn):
-    """Batches per second, as rich estimates it from the updates it was given."""
-
-    def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text(f"{speed:.1f} it/s" if speed is not None else "? it/s", style="progress.data.speed")
 
 
 def metrics_text(trainer: Trainer) -> str:
@@ -45,16 +26,39 @@ def metrics_text(trainer: Trainer) -> str:
     return " ".join([f"step={trainer.global_step}", *values])
 
 
-class _TrainerProgress(Progress):
-    """A rich Progress that reads the trainer just before each redraw (in rich's thread): the loop never calls it."""
+def _trainer_progress(before_render: Callable[[], None], console: Console, refresh_interval: float) -> Progress:
+    """A rich Progress that reads the trainer just before each redraw (in rich's thread): the loop never calls it.
+    rich is imported here, where a bar is drawn, so that `import` stays light (benchmarks/overhead.py)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
 
-    def __init__(self, *columns: Any, before_render: Any, **kwargs: Any) -> None:
-        self._before_render = before_render  # set first: rich may draw while it is being built
-        super().__init__(*columns, **kwargs)
+    class SpeedColumn(ProgressColumn):
+        """Batches per second, as rich estimates it from the updates it was given."""
 
-    def get_renderables(self) -> Iterable[Any]:
-        self._before_render()
-        yield from super().get_renderables()
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:.1f} it/s" if speed is not None else "? it/s", style="progress.data.speed")
+
+    class TrainerProgress(Progress):
+        def get_renderables(self) -> Iterable[Any]:
+            before_render()
+            yield from super().get_renderables()
+
+    return TrainerProgress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), SpeedColumn(),
+        TextColumn("{task.fields[metrics]}", markup=False), console=console, auto_refresh=refresh_interval > 0,
+        refresh_per_second=1 / refresh_interval if refresh_interval else 1,
+    )
 
 
 class RichProgressBar(Callback):
@@ -82,7 +86,8 @@ class RichProgressBar(Callback):
             raise MisconfigurationError(f"RichProgressBar(line_interval={line_interval!r}) must be seconds >= 0.")
         self.refresh_rate, self.leave, self.refresh_interval = refresh_rate, leave, float(refresh_interval)
         self.line_interval = float(line_interval)
-        self._lines_stop: threading.Event | None = None  # set to end the epoch's periodic lines
+        self._lines_stop: threading.Event | None = None  # set to end the fit's periodic lines
+        self._line_epoch: float | None = None  # the running epoch's start (monotonic), for the lines' thread
         self._console_kwargs = dict(console_kwargs or {})
         self._user_console = console
         self._console: Console | None = None
@@ -114,6 +119,8 @@ class RichProgressBar(Callback):
         if not self._enabled:
             return
         self._trainer = trainer
+        from rich.console import Console
+
         self._console = self._user_console or Console(**self._console_kwargs)
         self._interactive = self._console.is_terminal and not self._console.is_dumb_terminal
 
@@ -122,14 +129,8 @@ class RichProgressBar(Callback):
         if not (self._enabled and self._interactive):
             return None
         if self._progress is None:
-            self._progress = _TrainerProgress(
-                TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), _SpeedColumn(),
-                TextColumn("{task.fields[metrics]}", markup=False),
-                before_render=self._update_tasks, console=self._console,
-                auto_refresh=self.refresh_interval > 0,
-                refresh_per_second=1 / self.refresh_interval if self.refresh_interval else 1,
-            )
+            assert self._console is not None
+            self._progress = _trainer_progress(self._update_tasks, self._console, self.refresh_interval)
             self._progress.start()
         return self._progress
 
@@ -201,7 +202,7 @@ class RichProgressBar(Callback):
             self._ended_epoch_batches = trainer.batches_this_epoch  # the loop resets it before on_train_end
             self._redraw()
             return
-        self._stop_lines()
+        self._line_epoch = None
         self._print_line(trainer)
 
     def _print_line(self, trainer: Trainer) -> None:
@@ -212,23 +213,31 @@ class RichProgressBar(Callback):
         count = f"{done}/{total}" if math.isfinite(total) else str(done)
         line = (f"{self._epoch_description(trainer)}: {count} batches, {elapsed:.1f}s, {rate:.1f} it/s, "
                 f"{metrics_text(trainer)}")
+        from rich.text import Text
+
         assert self._console is not None
         self._console.print(Text(line), soft_wrap=True, highlight=False)
 
     def _start_lines(self) -> None:
-        """Outside a terminal: a line every line_interval seconds while the epoch runs, printed by a thread."""
-        if self.line_interval <= 0:
+        """Outside a terminal: a line every line_interval seconds of a running epoch, printed by one thread per fit
+        (started at the first epoch: a thread started per epoch costs its boundary milliseconds of hand-over)."""
+        self._line_epoch = self._epoch_started
+        if self.line_interval <= 0 or self._lines_stop is not None:
             return
-        self._stop_lines()
         self._lines_stop = stop = threading.Event()
         threading.Thread(target=self._print_lines, args=(stop,), name="progress-lines", daemon=True).start()
 
     def _print_lines(self, stop: threading.Event) -> None:
-        while not stop.wait(self.line_interval):
+        while True:
+            epoch_started = self._line_epoch  # None between epochs
+            since = time.monotonic() - epoch_started if epoch_started is not None else 0.0
+            if stop.wait(self.line_interval - since % self.line_interval):
+                return
             trainer = self._trainer
             if trainer is None:
                 return
-            self._print_line(trainer)
+            if epoch_started is not None and self._line_epoch == epoch_started:  # the same epoch still runs
+                self._print_line(trainer)
 
     def _stop_lines(self) -> None:
         if self._lines_stop is not None:

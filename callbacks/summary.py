@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
@@ -20,6 +18,8 @@ from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.resume import shown_path
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from torchyard.trainer.module import TrainModule
     from torchyard.trainer.trainer import Trainer
 
@@ -121,10 +121,12 @@ class ModelSummary(Callback):
                                  if not isinstance(p, UninitializedParameter)) / 1e6
         print(processes_line(trainer), flush=True)
         if self.max_depth != 0:  # 0 turns the table off, as in Lightning; the run summary still prints
-            Console().print(self.layer_table())
+            _print_table(self.layer_table())
 
     def layer_table(self) -> Table:
         """The rich table of layers and totals."""
+        from rich.table import Table  # rich only when a table is drawn: `import` stays light (benchmarks/overhead.py)
+
         table = Table(title="Model summary", title_justify="left")
         for header, justify in (("", "right"), ("Name", "left"), ("Type", "left"), ("Params", "right")):
             table.add_column(header, justify=justify)  # type: ignore[arg-type]
@@ -187,10 +189,12 @@ class ModelSummary(Callback):
             if callback.last_model_path:
                 summary["last checkpoint"] = callback.last_model_path
         self.run_summary = summary
-        Console().print(self.run_table())
+        _print_table(self.run_table())
 
     def run_table(self) -> Table:
         """The rich table of the run summary."""
+        from rich.table import Table
+
         table = Table(title="Run summary", title_justify="left", show_header=False)
         table.add_column("quantity", justify="left")
         table.add_column("value", justify="left", overflow="fold")
@@ -208,3 +212,9 @@ class ModelSummary(Callback):
                 text = f"{value:,}" if isinstance(value, int) else str(value)
             table.add_row(key, text)
         return table
+
+
+def _print_table(table: Table) -> None:
+    from rich.console import Console
+
+    Console().print(table)

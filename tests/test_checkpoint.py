@@ -781,3 +781,40 @@ def test_a_corrupt_checkpoint_message_ends_with_whole_sentences(tmp_path):
     (tmp_path / "bitrot.ckpt").write_bytes(data[:start] + b"\xff" * 16 + data[start + 16:])
     with pytest.raises(CheckpointError, match=r"bitrot\.ckpt' is truncated or corrupt and cannot be read \(.*\)\.$"):
         load_checkpoint_file(tmp_path / "bitrot.ckpt")
+
+
+class NoisyRows(torch.utils.data.Dataset):
+    """Each row with noise drawn where it is loaded, from its loader worker's seed (which the loader's iterator drew
+    from the global RNG) and the row's index: not from the worker's running stream, which a resumed epoch, skipping
+    the batches trained before its checkpoint, could not replay."""
+
+    def __init__(self) -> None:
+        self.rows = regression_data()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        x, y = self.rows[index]
+        noise = torch.Generator().manual_seed(torch.initial_seed() + index)
+        return x + 0.1 * torch.randn(x.shape, generator=noise), y
+
+
+def test_a_mid_epoch_resume_draws_the_epochs_shuffle_and_worker_seeds_again(tmp_path):
+    """The loader's own shuffle and its workers' base seed are drawn from the global RNG as the epoch starts; the
+    checkpoint keeps that state, so the resumed epoch gets the same order and the same per-row noise."""
+
+    def noisy_fit(root: Path, callbacks=(), ckpt_path=None) -> DropoutRegressor:
+        torch.manual_seed(0)
+        module = DropoutRegressor()
+        loader = DataLoader(NoisyRows(), batch_size=8, shuffle=True, num_workers=1)
+        Trainer(default_root_dir=str(root), seed=3, max_epochs=2, callbacks=list(callbacks), **QUIET).fit(
+            module, loader, ckpt_path=ckpt_path)
+        return module
+
+    full = noisy_fit(tmp_path / "full")
+    ckpt = tmp_path / "mid.ckpt"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        noisy_fit(tmp_path / "crashed", [SaveAt(ckpt, step=7, crash_at_step=8)])
+    assert load_checkpoint_file(ckpt)["loops"]["progress"]["epoch_batches"] == 2  # epoch 1, mid-way
+    assert_same_weights(noisy_fit(tmp_path / "resumed", ckpt_path=ckpt), full)

@@ -1,8 +1,8 @@
 """The CUDA paths on one GPU: device placement, pinned loaders, mixed precision, nccl, and checkpoints that
 cross between GPU and CPU. Every test is skipped on a machine without CUDA (CI's); they ran on an H100.
 
-Each compares with a hand-written loop on the same GPU, same seed and same batches (the Trainer's
-DistributedSampler order, as in test_loop.py).
+Each compares with a hand-written loop on the same GPU, same seed and same batches (the loader's own shuffle, drawn
+from the global RNG as each epoch starts, as in test_loop.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.checkpoint import load_checkpoint_file
@@ -53,15 +53,14 @@ class Net(TrainModule):
 
 def reference(epochs: int, precision: str = "32") -> nn.Module:
     """A hand-written loop on cuda:0 with the Trainer's batch order, autocast and grad scaler."""
-    torch.manual_seed(SEED)
     model = Net().net.cuda()
+    torch.manual_seed(SEED)  # as Trainer(seed=SEED) does when fit starts, before the loader draws its shuffle
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cuda") if precision == "16-mixed" else None
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for x, y in DataLoader(data(), batch_size=16, sampler=sampler):
+    loader = DataLoader(data(), batch_size=16, shuffle=True)  # the shuffle draws from the global RNG, as the Trainer's
+    for _ in range(epochs):
+        for x, y in loader:
             x, y = x.cuda(), y.cuda()
             with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss = F.mse_loss(model(x), y)

@@ -16,20 +16,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from faults import fault_script
 from faults.fault_script import KillAt, Net, fit, starts
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback, ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule, faults
 from torchyard.trainer.checkpoint import load_checkpoint_file
 from torchyard.trainer.data import prepare_loader
+from torchyard.trainer.environment import find_free_port
 from torchyard.trainer.errors import CheckpointError
 from torchyard.trainer.faults import (
     SIGINT_EXIT_CODE,
@@ -257,11 +258,13 @@ class Linear(TrainModule):
 
 
 def epoch_batches(epoch: int) -> list[list[int]]:
-    """The trainer's training order for `epoch`: its seeded sampler, batches of 4."""
-    sampler = DistributedSampler(poisoned_data(), num_replicas=1, rank=0, shuffle=True, seed=5)
-    sampler.set_epoch(epoch)
-    order = list(sampler)
-    return [order[i:i + 4] for i in range(0, len(order), 4)]
+    """The trainer's training order for `epoch`: the loader's own shuffle, drawn from the global RNG (seeded with 5
+    as the fit starts; nothing else draws from it here) as each epoch starts, batches of 4."""
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        indices = DataLoader(range(len(poisoned_data())), batch_size=4, shuffle=True)
+        orders = [[batch.tolist() for batch in indices] for _ in range(epoch + 1)]
+    return orders[epoch]
 
 
 def fit_poisoned(root: Path, **options) -> Linear:
@@ -333,40 +336,27 @@ def test_loader_workers_ignore_sigterm_and_still_run_the_users_worker_init(tmp_p
     assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # this process still hears it
 
 
-class EchoStrategy:
-    """Two ranks in lockstep whose all-reduce returns this rank's own values; counts the exchanges."""
-
-    world_size, steps_in_lockstep = 2, True
-
-    def __init__(self) -> None:
-        self.exchanges = 0
-
-    def max_across_ranks_async(self, values: list[float]) -> list[float]:
-        self.exchanges += 1
-        return values
-
-    def max_across_ranks_result(self, pending: list[float]) -> list[float]:
-        return pending
-
-
-def test_ranks_exchange_sigterm_flags_every_few_steps_and_act_on_them_together(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
-    strategy = EchoStrategy()
-    trainer = SimpleNamespace(config=SimpleNamespace(nonfinite_loss="error"), strategy=strategy)
-    guard = faults.StepGuard(trainer)
-    stop_at = None
-    for boundary in range(1, 1001):
-        clock[0] += 0.010 if boundary <= 500 else 2.0  # 10 ms steps, then 2 s steps
-        if boundary == 503:
-            guard.signalled = True
-        if guard._settle(False)[1]:
-            stop_at = boundary
+def test_the_sigterm_agreement_exchanges_off_the_training_thread_and_stops_at_the_agreed_boundary():
+    """The ranks' SIGTERM flags go round in a thread of their own (here on a one-rank gloo group): the training
+    thread only counts its step boundaries, and stops at the one the exchange agreed, after the signal."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+    signalled = [False]
+    agreement = faults.SignalAgreement(lambda: signalled[0], timeout_s=60)
+    boundary = 0
+    while boundary < 100_000:
+        boundary += 1
+        if boundary == 20:
+            signalled[0] = True
+        if agreement.at_boundary():
             break
-    # Fast steps: one exchange per MAX_AGREE_INTERVAL (4) steps instead of one per step...
-    assert 125 <= strategy.exchanges <= 130
-    # ...yet a signal that comes as the steps slow down is acted on within two intervals.
-    assert stop_at is not None and 503 < stop_at <= 503 + 2 * faults.MAX_AGREE_INTERVAL + 1
+        time.sleep(0.001)  # a step
+    assert agreement.stop_at is not None and 20 < boundary == agreement.stop_at
+    agreement.close(together=True)
+    assert not agreement._thread.is_alive()
+    # A rank whose fit failed leaves after at most one more exchange, telling the others.
+    leaving = faults.SignalAgreement(lambda: False, timeout_s=60)
+    leaving.close(together=False)
+    assert not leaving._thread.is_alive() and leaving._apart
 
 
 # --------------------------------------------------------------------------- ddp on 2 processes

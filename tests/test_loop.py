@@ -1,9 +1,9 @@
 """The fit loop against a hand-written PyTorch loop: same seed, same batches, bitwise-identical weights.
 
-The Trainer replaces a shuffling RandomSampler by DistributedSampler(num_replicas=1, rank=0, shuffle=True,
-seed=trainer seed) reseeded with set_epoch(epoch), so every reference loop here draws its batches through
-that same sampler. Losses are scaled by 1/accumulate_grad_batches with a multiplication, as the loop does,
-because `loss / 3` and `loss * (1 / 3)` round differently.
+On one process the Trainer keeps a loader's own sampler, which draws its shuffle from the global RNG as each
+epoch starts, as in a plain loop: every reference loop here seeds as Trainer(seed=...) does and iterates the
+same kind of DataLoader(shuffle=True). Losses are scaled by 1/accumulate_grad_batches with a multiplication, as
+the loop does, because `loss / 3` and `loss * (1 / 3)` round differently.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from torchyard.callbacks import Callback, ModelSummary
 from torchyard.trainer import Trainer, TrainModule
@@ -82,11 +82,9 @@ def reference_fit(model: Regressor, dataset: TensorDataset, *, batch_size: int, 
     optimizer = make_optimizer(model.parameters(), model.hparams.optimizer, model.hparams.lr)
     interval = model.hparams.scheduler_interval
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if interval else None
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED, drop_last=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True)
     losses = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
+    for _ in range(epochs):
         for batch_idx, (x, y) in enumerate(loader):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = F.mse_loss(model(x), y)
@@ -258,11 +256,11 @@ def test_lr_scaling_with_warmup_matches_hand_written_loop():
 
     optimizer = make_optimizer(expected.parameters(), "sgd", 0.03)
     optimizer.param_groups[0]["lr"] *= 2.0
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    torch.manual_seed(SEED)
+    loader = DataLoader(dataset, batch_size=8, shuffle=True)
     step = 0
-    for epoch in range(3):
-        sampler.set_epoch(epoch)
-        for batch_idx, (x, y) in enumerate(DataLoader(dataset, batch_size=8, sampler=sampler)):
+    for _ in range(3):
+        for batch_idx, (x, y) in enumerate(loader):
             (F.mse_loss(expected(x), y) * 0.5).backward()
             if batch_idx % 2 == 1:
                 scaled = optimizer.param_groups[0]["lr"]
@@ -599,3 +597,45 @@ def test_a_training_step_returning_none_skips_its_batch_as_in_lightning():
                 optimizer.zero_grad(set_to_none=True)
     assert_same_weights(module, expected)
     assert trainer.global_step == 6  # batches 0, 2 and 4 of each epoch stepped
+
+
+class DropoutClassifier(TrainModule):
+    """An MLP with dropout (its masks draw from the global RNG between the loader's shuffles), logging as most do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_defaults_with_a_shuffled_loader_train_the_weights_of_a_plain_loop_bitwise(tmp_path):
+    """One process, every default on (bar, summary, checkpoints, CSV logs): the loader keeps its own shuffle, drawn
+    from the global RNG as each epoch starts, so the order and the dropout masks are a plain loop's."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(100, 8, generator=generator), torch.randint(0, 3, (100,), generator=generator))
+    torch.manual_seed(1)
+    expected = DropoutClassifier()
+    optimizer = torch.optim.SGD(expected.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(data, batch_size=16, shuffle=True)
+    for _ in range(3):
+        expected.train()
+        for x, y in loader:
+            F.cross_entropy(expected(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    module = DropoutClassifier()
+    Trainer(max_epochs=3, default_root_dir=str(tmp_path), accelerator="cpu").fit(
+        module, DataLoader(data, batch_size=16, shuffle=True))
+    assert_same_weights(module, expected)

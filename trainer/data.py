@@ -150,15 +150,39 @@ class ResumableBatchSampler(BatchSampler):
         super().__init__(sampler, batch_size, drop_last)
         self.skip = 0
         self.generator_seed: int | None = None  # set when the loader's generator is ours to reseed
+        self._resumed: _ResumedBatches | None = None  # the pass that skips, until its sampler has drawn its order
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip, self.skip = self.skip, 0
         # islice, not a generator of ours: no extra Python frame between the loader and each batch.
-        return itertools.islice(super().__iter__(), skip, None)
+        batches = itertools.islice(super().__iter__(), self.skip, None)
+        if not self.skip:
+            return batches
+        # `skip` holds until the pass has yielded a batch: a loader with workers asks for its iterator twice.
+        self._resumed = _ResumedBatches(batches, self)
+        return self._resumed
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+
+class _ResumedBatches:
+    """A resumed epoch's batch indices, whose first batch can be drawn before the loader asks for it."""
+
+    def __init__(self, batches: Iterator[list[int]], sampler: ResumableBatchSampler) -> None:
+        self.batches, self.sampler = batches, sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        self.sampler.skip = 0  # this pass has begun: later ones start at the epoch's first batch
+        return next(self.batches)
+
+    def draw_order(self) -> None:
+        first = next(self, None)
+        if first is not None:
+            self.batches = itertools.chain([first], self.batches)
 
 
 # --------------------------------------------------------------------------- loaders
@@ -240,12 +264,15 @@ def prepare_loader(
     rank: int = 0,
     seed: int = 0,
     pin_memory: bool | None = None,
+    own_order: bool = False,
 ) -> DataLoader:
     """Rebuild `loader` for one rank.
 
-    Training: the order is a function of (seed, epoch) only, through a DistributedSampler even on one
-    process, so a resumed run replays the same batches; `set_epoch` and `skip` live on its batch sampler.
-    Evaluation: each rank takes a disjoint, unpadded slice, so metrics count every sample once.
+    Training with `own_order` (a job of one process): the loader's own sampler and generator, so that a shuffle
+    draws from the global RNG as each epoch starts, as in a plain loop (the fit loop keeps that RNG state, from
+    which a mid-epoch resume draws the order again). Otherwise the order is a function of (seed, epoch) only,
+    the same on every rank. `skip` and `set_epoch` live on its batch sampler. Evaluation: each rank takes a
+    disjoint, unpadded slice, so metrics count every sample once.
     """
     if not isinstance(loader, DataLoader):
         raise MisconfigurationError(f"expected a torch DataLoader, got {type(loader).__name__}.")
@@ -264,34 +291,35 @@ def prepare_loader(
         batch_sampler = (ShardedSampler(loader.batch_sampler, num_replicas, rank, padded=train) if num_replicas > 1
                          else loader.batch_sampler)
         return DataLoader(loader.dataset, batch_sampler=batch_sampler, **loader_kwargs(loader, pin_memory))
-    user_sampler = loader.sampler
-    if train and isinstance(user_sampler, (RandomSampler, SequentialSampler)):
-        sampler: Sampler[int] = DistributedSampler(
-            loader.dataset, num_replicas=num_replicas, rank=rank,
-            shuffle=isinstance(user_sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
-        )
-    elif num_replicas > 1:
-        if isinstance(user_sampler, RandomSampler) and user_sampler.generator is None:
-            # Each rank would draw its own order, and their slices would overlap: all draw the same one.
-            user_sampler = RandomSampler(
-                loader.dataset,
-                replacement=user_sampler.replacement,
-                num_samples=user_sampler._num_samples,
-                generator=torch.Generator().manual_seed(seed),
-            )
-        sampler = ShardedSampler(user_sampler, num_replicas, rank, padded=train)
-    else:
-        sampler = user_sampler
+    sampler = _rank_sampler(loader, train, num_replicas, rank, seed, own_order)
     batch_sampler_cls = ResumableBatchSampler if train else BatchSampler
     batch_sampler = batch_sampler_cls(sampler, loader.batch_size, loader.drop_last)
     kwargs = loader_kwargs(loader, pin_memory)
-    if train and kwargs["generator"] is None:
+    if train and kwargs["generator"] is None and not own_order:
         # Each iterator draws its workers' base seed from this generator; from the global RNG instead,
         # a run resumed mid-epoch would draw once more than the uninterrupted run and diverge.
         # Reseeded per epoch in set_epoch, so worker seeds depend on (seed, epoch) only.
         kwargs["generator"] = torch.Generator().manual_seed(seed)
         batch_sampler.generator_seed = seed
     return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
+
+
+def _rank_sampler(loader: DataLoader, train: bool, num_replicas: int, rank: int, seed: int,
+                  own_order: bool) -> Sampler[Any]:
+    """This rank's sampler of `loader`'s indices (see prepare_loader)."""
+    user_sampler = loader.sampler
+    if train and own_order or num_replicas == 1 and not train:
+        return user_sampler
+    if train and isinstance(user_sampler, (RandomSampler, SequentialSampler)):
+        shuffle = isinstance(user_sampler, RandomSampler)
+        return DistributedSampler(loader.dataset, num_replicas, rank, shuffle, seed, drop_last=loader.drop_last)
+    if num_replicas == 1:
+        return user_sampler
+    if isinstance(user_sampler, RandomSampler) and user_sampler.generator is None:
+        # Each rank would draw its own order, and their slices would overlap: all draw the same one.
+        user_sampler = RandomSampler(loader.dataset, user_sampler.replacement, user_sampler._num_samples,
+                                     generator=torch.Generator().manual_seed(seed))
+    return ShardedSampler(user_sampler, num_replicas, rank, padded=train)
 
 
 def set_epoch(loader: DataLoader | CombinedLoader, epoch: int) -> None:
@@ -306,6 +334,15 @@ def set_epoch(loader: DataLoader | CombinedLoader, epoch: int) -> None:
         if hasattr(holder, "set_epoch"):
             holder.set_epoch(epoch)
             return
+
+
+def draw_epoch_order(loader: DataLoader) -> None:
+    """After `iter(loader)` of an epoch resumed mid-way: let its sampler draw the epoch's order now, from the
+    random state the epoch started with (a sampler draws its seed at its first batch; workers have done so)."""
+    resumed = getattr(loader.batch_sampler, "_resumed", None)
+    if isinstance(resumed, _ResumedBatches):
+        loader.batch_sampler._resumed = None
+        resumed.draw_order()
 
 
 def skip_batches(loader: DataLoader, count: int) -> bool:

@@ -3,12 +3,14 @@ line each. The protocol (exit codes, agreement between ranks, costs) is in docs/
 
 from __future__ import annotations
 
+import datetime
 import math
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +22,9 @@ if TYPE_CHECKING:
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
 SIGINT_EXIT_CODE = 130  # 128 + SIGINT
-AGREE_EVERY_S = 0.25  # how often ranks stepping together exchange their SIGTERM flags (see the module docstring)
-MAX_AGREE_INTERVAL = 4  # step boundaries between exchanges, at most: bounds the delay when steps slow down
+AGREE_EVERY_S = 0.2  # how often ranks stepping together exchange their SIGTERM flags (docs/fault-tolerance.md)
+AGREE_AHEAD_S = 0.1  # how far ahead, in time at the current pace, the step the ranks stop at is set
+MAX_AGREE_AHEAD = 128  # ... in step boundaries, at most: bounds the delay when steps slow down
 
 
 class Terminated(SystemExit):
@@ -56,10 +59,7 @@ class StepGuard:
         strategy = trainer.strategy
         self._agree = strategy.world_size > 1 and strategy.steps_in_lockstep  # ranks must act at the same step
         self._local_check = self.mode == "error" and not self._agree  # a bad loss raises here, nothing to agree
-        self._pending: Any = None  # the SIGTERM exchange started at the last exchange boundary
-        self._countdown = 0  # step boundaries until the next exchange (agreed, so the same on every rank)
-        self._interval = 1  # step boundaries from the last exchange to the next
-        self._last_exchange: float | None = None  # time.monotonic() of the last exchange
+        self._agreement: SignalAgreement | None = None  # the ranks' SIGTERM exchange, off the training thread
         self._previous_handlers: dict[int, Any] = {}
         self.received = signal.SIGTERM  # the signal this rank got first (a rank told by the others: SIGTERM)
         self._second_sigint_stops = False
@@ -72,13 +72,15 @@ class StepGuard:
             self._previous_handlers = {
                 sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
             }
+        if self._agree and self.mode != "skip":
+            self._agreement = SignalAgreement(lambda: self.signalled, strategy.timeout)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._pending is not None and exc_info[0] is None:
-            # Every rank started it: collect it, so no collective is left open when the group goes.
-            self.trainer.strategy.max_across_ranks_result(self._pending)
-        self._pending = None
+        if self._agreement is not None:
+            # Every rank ends its fit, or stops at the agreed step: their exchanges end together.
+            self._agreement.close(together=exc_info[0] is None or isinstance(exc_info[1], Terminated))
+            self._agreement = None
         for sig, previous in self._previous_handlers.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous_handlers = {}
@@ -164,29 +166,10 @@ class StepGuard:
             pending = strategy.max_across_ranks_async([float(bad), float(self.signalled)])
             skip, stop = strategy.max_across_ranks_result(pending)
             return skip > 0, stop > 0
-        self._countdown -= 1
-        if self._countdown > 0:
-            return bad, False
-        # SIGTERM flags are exchanged every few steps, without blocking: the maxima sent at the previous
-        # exchange (finished during the steps since) are read now, then this rank's flag and the interval
-        # it proposes go out. The smallest proposal wins, so every rank counts the same boundaries to the next.
-        stop, interval = False, 1
-        if self._pending is not None:
-            signalled, negated_interval = strategy.max_across_ranks_result(self._pending)
-            stop, interval = signalled > 0, int(-negated_interval)
-        proposal = self._proposal(self._interval)
-        self._pending = None if stop else strategy.max_across_ranks_async([float(self.signalled), -proposal])
-        self._interval = self._countdown = interval
-        return bad, stop
-
-    def _proposal(self, boundaries: int) -> float:
-        """How many step boundaries make about AGREE_EVERY_S, at this rank's pace over the `boundaries` since
-        the last exchange."""
-        now = time.monotonic()
-        previous, self._last_exchange = self._last_exchange, now
-        if previous is None or now <= previous:  # the first exchange: nothing to measure from yet
-            return 1.0
-        return float(min(MAX_AGREE_INTERVAL, max(1, int(AGREE_EVERY_S * boundaries / (now - previous)))))
+        if self._agreement is None:  # a fit loop run outside `with StepGuard(...)`: a blocking exchange
+            pending = strategy.max_across_ranks_async([float(self.signalled)])
+            return bad, strategy.max_across_ranks_result(pending)[0] > 0
+        return bad, self._agreement.at_boundary()
 
     def _describe(self, batch_idx: int, value: float) -> str:
         progress, strategy = self.trainer.progress, self.trainer.strategy
@@ -208,6 +191,76 @@ class StepGuard:
                   f"{progress.epoch}, {progress.epoch_batches} batches done); exiting with code {code}. "
                   "fit(ckpt_path='last') resumes from it.", file=sys.stderr, flush=True)
         raise Terminated(code)
+
+
+class SignalAgreement:
+    """Every AGREE_EVERY_S, a thread of each rank all-reduces the ranks' SIGTERM flags and step-boundary counts in a
+    gloo group of its own, so the training thread runs no collective for it: at a step boundary it only counts
+    and compares. Once some rank is signalled, all stop at the same boundary: the highest count in that exchange
+    plus the most boundaries any rank proposed (AGREE_AHEAD_S at its pace). A rank whose count reaches its own
+    proposal past an exchange that has not yet returned waits for it, so none can pass the agreed boundary unaware.
+    """
+
+    def __init__(self, signalled: Callable[[], bool], timeout_s: float) -> None:
+        self.group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._signalled = signalled
+        self._changed = threading.Condition()
+        self._boundaries = 0
+        self._in_flight: tuple[int, int, int] | None = None  # (count sent, exchange number, boundaries ahead proposed)
+        self._exchanges = 0  # exchanges returned
+        self.stop_at: int | None = None  # the boundary every rank stops at, once agreed
+        self._ended = threading.Event()
+        self._apart = False  # this rank leaves without the others (its fit failed): no more exchanges
+        self._thread = threading.Thread(target=self._exchange_until_all_end, name="sigterm-agreement", daemon=True)
+        self._thread.start()
+
+    def at_boundary(self) -> bool:
+        """Count a step boundary; True when every rank stops here."""
+        with self._changed:
+            self._boundaries += 1
+            boundary, in_flight = self._boundaries, self._in_flight
+            if in_flight is not None and boundary >= in_flight[0] + in_flight[2]:
+                self._changed.wait_for(lambda: self._exchanges >= in_flight[1] or self._apart)
+            return self.stop_at is not None and boundary >= self.stop_at
+
+    def close(self, together: bool) -> None:
+        """End the exchanges: `together` when every rank ends its fit here too; otherwise the next exchange tells
+        the others that this rank leaves, and ends theirs."""
+        self._apart = self._apart or not together
+        self._ended.set()
+        self._thread.join(timeout=None if together else 5 * AGREE_EVERY_S)
+        if not self._thread.is_alive():
+            torch.distributed.destroy_process_group(self.group)
+
+    def _exchange_until_all_end(self) -> None:
+        number, started, counted = 0, time.monotonic(), 0
+        try:
+            while True:
+                self._ended.wait(AGREE_EVERY_S)
+                number, now = number + 1, time.monotonic()
+                with self._changed:
+                    count = self._boundaries
+                    pace = (count - counted) / max(now - started, 1e-9)  # boundaries a second, since the last exchange
+                    ahead = min(MAX_AGREE_AHEAD, max(2, int(AGREE_AHEAD_S * pace)))
+                    self._in_flight = (count, number, ahead)
+                started, counted = now, count
+                # The last value says a rank leaves without the others (its fit failed): all exchanges end.
+                values = torch.tensor([float(self._signalled()), float(count), float(ahead),
+                                       0.0 if self._ended.is_set() else 1.0, float(self._apart)])
+                torch.distributed.all_reduce(values, torch.distributed.ReduceOp.MAX, group=self.group)
+                signalled, highest, most_ahead, running, left = values.tolist()
+                with self._changed:
+                    if signalled > 0 and self.stop_at is None:
+                        self.stop_at = int(highest) + int(most_ahead)
+                    self._in_flight, self._exchanges, self._apart = None, number, self._apart or left > 0
+                    self._changed.notify_all()
+                if running == 0 or self._apart:
+                    return
+        except Exception:  # noqa: BLE001  (the group timed out or went: the fit is failing, and says why itself)
+            with self._changed:
+                self._apart = True
+                self._in_flight = None
+                self._changed.notify_all()
 
 
 def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float] | None:

@@ -18,6 +18,7 @@ from torchyard.trainer.combined import CombinedLoader
 from torchyard.trainer.data import (
     batch_mover,
     data_wait_advice,
+    draw_epoch_order,
     measure_data_wait,
     set_epoch,
     skip_batches,
@@ -164,12 +165,29 @@ class FitEpochs:
 
     def _batches(self) -> Iterable[tuple[int, Any, bool]]:
         loader = self.train_loader
-        source = loader.batches() if isinstance(loader, CombinedLoader) else loader
+        source = loader.batches() if isinstance(loader, CombinedLoader) else self._epoch_loader()
         batches = epoch_batches(source, self.progress.epoch_batches, self.num_batches)
         if self.watch_data:
             batches = measure_data_wait(batches, functools.partial(_report_data_wait, self.trainer))
             self.watch_data = False
         return batches
+
+    def _epoch_loader(self) -> Iterable[Any]:
+        """The training loader, or its iterator started from the torch RNG state its epoch began with: a shuffling
+        loader draws its order (and worker seeds) from torch's global RNG as iteration starts, as in a plain loop."""
+        state, loader = self.state, self.train_loader
+        resumed, state.resumed_epoch_rng = state.resumed_epoch_rng, None
+        if resumed is None or self.progress.epoch_batches == 0:
+            state.epoch_start_rng = torch.get_rng_state()  # a copy, about a microsecond
+            return loader
+        # A mid-epoch resume: the order is drawn again from the saved epoch start, then training goes on from the
+        # checkpoint's own state (the draws of the batches before it are behind it).
+        now, state.epoch_start_rng = torch.get_rng_state(), resumed
+        torch.set_rng_state(resumed.cpu())  # a checkpoint may have been mapped to a GPU
+        iterator = iter(loader)
+        draw_epoch_order(loader)
+        torch.set_rng_state(now)
+        return iterator
 
     def end_epoch(self, finished: bool) -> None:
         """The epoch's closing validation, then its values, schedulers, hooks and monitors, in Lightning's order."""

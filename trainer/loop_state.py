@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 
@@ -60,3 +61,8 @@ class LoopState:
     #: During predict: the dataset indices of the current batch (None where the loader cannot tell them).
     predict_batch_indices: list[int] | None = None
     return_predictions: bool = True
+    #: During fit: this rank's torch RNG state as the running epoch began, when its loader drew its order and
+    #: worker seeds (from torch's generator); a checkpoint keeps it, so a mid-epoch resume draws them again.
+    epoch_start_rng: torch.Tensor | None = None
+    #: After restoring a mid-epoch checkpoint: its epoch_start_rng, until the resumed epoch has drawn its order.
+    resumed_epoch_rng: torch.Tensor | None = None

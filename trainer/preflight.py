@@ -8,7 +8,6 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from torch.optim import Optimizer
 
 from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
@@ -283,6 +282,8 @@ def save_recipe_beside_earlier(folder: Path, run_config: dict[str, Any], stage: 
     if not earlier_path.is_file():
         save_run_config(earlier_path, run_config)
         return earlier_path
+    import yaml  # here, for the recipes the `trainer` command runs: a Python script's import stays light
+
     earlier, now = _flat(yaml.safe_load(earlier_path.read_text()) or {}), _flat(yaml.safe_load(dump_yaml(run_config)))
     unset = "<unset>"
     changed = sorted(key for key in earlier.keys() | now.keys() if earlier.get(key, unset) != now.get(key, unset))

@@ -52,11 +52,12 @@ def set_determinism(deterministic: bool, benchmark: bool | None = None) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states as weights-only-loadable containers."""
+    """This process's RNG states as weights-only-loadable containers. Python's state is one tensor rather than 625
+    ints, each of which the checkpoint's pickler would visit on every save."""
     py_version, py_state, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
-        "python": {"version": py_version, "state": list(py_state), "gauss": py_gauss},
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": py_gauss},
         "numpy": {
             "kind": np_kind,
             "keys": torch.from_numpy(np_keys.astype(np.int64)),
@@ -74,7 +75,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what rng_state() returned (its tensors may have been mapped to a GPU on load)."""
     py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    py_state = py["state"].tolist() if isinstance(py["state"], torch.Tensor) else py["state"]  # older: a list
+    random.setstate((py["version"], tuple(py_state), py["gauss"]))
     npy = state["numpy"]
     np.random.set_state(
         (npy["kind"], npy["keys"].cpu().numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])

@@ -72,10 +72,19 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
         "callbacks": {callback.state_key: callback.state_dict() for callback in trainer.callbacks},
         # The step tells a resumed logger which of the rows logged after the checkpoint to keep.
         "loggers": [{**logger.state_dict(), "step": trainer.progress.batches_stepped} for logger in trainer.loggers],
-        "rng": strategy.all_gather_object(rng_state()),
+        # With torch's state as the running epoch began (its shuffle drew from it), for a resume mid-way.
+        "rng": strategy.all_gather_object(_rng_with_epoch_start(trainer)),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
         "strategy": strategy.state_dict(trainer.optimizers),  # e.g. local SGD's averager steps and replicas
     }
+
+
+def _rng_with_epoch_start(trainer: Trainer) -> dict[str, Any]:
+    state = rng_state()
+    epoch_start = trainer.loop_state.epoch_start_rng
+    if epoch_start is not None:
+        state["torch_epoch_start"] = epoch_start
+    return state
 
 
 def saved_hparams(trainer: Trainer) -> dict[str, Any]:
@@ -230,7 +239,9 @@ def restore_rng(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """This rank's random generators (rank 0's where the checkpoint had another number of ranks)."""
     states = checkpoint.get("rng", [])
     if states:
-        set_rng_state(_this_ranks(trainer, states))
+        state = _this_ranks(trainer, states)
+        set_rng_state(state)
+        trainer.loop_state.resumed_epoch_rng = state.get("torch_epoch_start")
 
 
 def _this_ranks(trainer: Trainer, per_rank: list[Any]) -> Any:

@@ -273,6 +273,13 @@ def test_sequential_interleaved_with_clipping_validation_and_predict(tmp_path):
 # --------------------------------------------------------------------------- checkpoints
 
 
+def pipeline_ordered_loader() -> DataLoader:
+    """The pipeline's batch order on one process: there a loader keeps its own sampler (drawing a shuffle from the
+    global RNG, as a plain loop), while pipeline stages, which must agree on one order, draw it seeded."""
+    data = dataset()
+    return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=0))
+
+
 @pytest.mark.timeout(120)
 def test_checkpoints_move_between_pipeline_and_single_device(tmp_path):
     reference_epoch1 = reference_fit(fresh(optimizer="adam"), epochs=1)
@@ -293,13 +300,13 @@ def test_checkpoints_move_between_pipeline_and_single_device(tmp_path):
     # pipeline checkpoint -> single-device resume
     module = fresh(optimizer="adam")
     Trainer(max_epochs=2, enable_checkpointing=False, **QUIET).fit(
-        module, DataLoader(dataset(), batch_size=BATCH, shuffle=True), ckpt_path=pipeline_dir / "ckpts/epoch=0.ckpt")
+        module, pipeline_ordered_loader(), ckpt_path=pipeline_dir / "ckpts/epoch=0.ckpt")
     assert_same_weights(module.state_dict(), reference["state"])
 
     # single-device checkpoint -> pipeline resume
     single_dir = tmp_path / "single"
     single = Trainer(max_epochs=1, enable_checkpointing=False, **QUIET)
-    single.fit(fresh(optimizer="adam"), DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    single.fit(fresh(optimizer="adam"), pipeline_ordered_loader())
     single.save_checkpoint(single_dir / "epoch0.ckpt")
     resume_dir = tmp_path / "resume"
     resume_dir.mkdir()

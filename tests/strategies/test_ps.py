@@ -174,8 +174,11 @@ def test_a_ps_checkpoint_resumes_on_two_servers_and_on_one_device_alike(sync_run
         **QUIET,
     ).fit(on_servers, train_loader(), ckpt_path=path)
     one_device = Net()
+    # One process keeps a loader's own sampler (a shuffle from the global RNG, as a plain loop): given the order
+    # that workers draw seeded, it trains on the same batches.
+    seeded_order = DistributedSampler(TRAIN, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     Trainer(max_epochs=EPOCHS, seed=SEED, enable_checkpointing=False, default_root_dir=str(tmp_path),
-            **QUIET).fit(one_device, train_loader(), ckpt_path=path)
+            **QUIET).fit(one_device, DataLoader(TRAIN, batch_size=BATCH, sampler=seeded_order), ckpt_path=path)
 
     assert_same_weights(on_servers.state_dict(), expected)
     assert_same_weights(one_device.state_dict(), expected)
