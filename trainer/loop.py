@@ -15,20 +15,14 @@ from torch.utils.data import DataLoader
 
 from torchyard.trainer.batches import batch_limit, epoch_batches, val_every, validates_after
 from torchyard.trainer.combined import CombinedLoader
-from torchyard.trainer.data import (
-    batch_mover,
-    data_wait_advice,
-    draw_epoch_order,
-    measure_data_wait,
-    set_epoch,
-    skip_batches,
-)
+from torchyard.trainer.data import batch_mover, data_wait_advice, measure_data_wait, set_epoch
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.faults import StepGuard
 from torchyard.trainer.loop_state import Progress
 from torchyard.trainer.optim import SchedulerConfig, step_scheduler
 from torchyard.trainer.predictions import merge_prediction_shares, recording_batch_indices, shard_batches
 from torchyard.trainer.rng import rng_state, seeded, set_rng_state
+from torchyard.trainer.samplers import draw_epoch_order, skip_batches
 from torchyard.trainer.step import TrainStep
 from torchyard.trainer.strategies.base import move_to_device
 

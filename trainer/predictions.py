@@ -11,7 +11,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from torchyard.trainer.data import ShardedSampler, loader_kwargs
+from torchyard.trainer.data import loader_kwargs
+from torchyard.trainer.samplers import ShardedSampler
 
 
 def shard_batches(loader: DataLoader) -> tuple[int, list[int]] | None:

@@ -26,9 +26,9 @@ from torchyard.callbacks import ModelCheckpoint, Timer
 from torchyard.recipes.digits import DigitsCNN, DigitsData
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.checkpoint import load_checkpoint_file
-from torchyard.trainer.data import ResumableBatchSampler
 from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.samplers import ResumableBatchSampler
 from torchyard.trainer.strategies import build_strategy
 from torchyard.trainer.strategies.ps import ParameterServerStrategy
 from torchyard.trainer.strategies.ps_client import ClaimedBatches, check_optimizer, plan_shards

@@ -19,9 +19,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from torchyard.trainer import faults
-from torchyard.trainer.data import ResumableBatchSampler, loader_kwargs, prepare_loader
+from torchyard.trainer.data import loader_kwargs, prepare_loader
 from torchyard.trainer.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.samplers import ResumableBatchSampler
 from torchyard.trainer.strategies import distributed
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
 from torchyard.trainer.strategies.ps_client import (

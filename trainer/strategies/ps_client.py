@@ -22,9 +22,9 @@ from torch.distributed import rpc
 from torch.futures import Future
 from torch.optim import Optimizer
 
-from torchyard.trainer.data import ResumableBatchSampler
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.optim import needs_closure
+from torchyard.trainer.samplers import ResumableBatchSampler
 from torchyard.trainer.strategies.ps_server import on_shard, pull_from_shard, rebuild_optimizer
 
 STALE_KEYS = ("staleness", "dropped", "scaled")
