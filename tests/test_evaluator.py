@@ -314,9 +314,11 @@ def test_the_evaluator_scores_on_a_gpu_as_on_the_cpu(tmp_path):
 def test_a_gpu_training_s_side_evaluator_scores_as_its_in_loop_validation(tmp_path):
     # The training takes GPU 0; 'auto' gives the evaluator the next GPU, or the CPU on a one-GPU machine.
     side = digits_fit("gpu_side", accelerator="cuda", evaluator={"poll_interval": 0.1}, limit_val_batches=0)
-    loop = digits_fit("gpu_loop", accelerator="cuda")
     evaluated = logged(Path(side.log_dir) / "metrics_evaluator.csv", "val/acc")
-    in_loop = logged(Path(loop.log_dir) / "metrics.csv", "val/acc")
-    assert list(evaluated) == list(in_loop) == [4, 8]
-    # GPU training is not bitwise repeatable (cuDNN's algorithms), so the two runs' weights differ a little.
-    assert list(evaluated.values()) == pytest.approx(list(in_loop.values()), abs=0.01)
+    assert list(evaluated) == [4, 8]
+    # In-loop validation of the same weights, on the training's GPU: other kernels, so one image may tip over.
+    for step, name in zip(evaluated, ("epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt")):
+        checker = Trainer(accelerator="cuda", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        checker.validate(DigitsCNN(dropout=0.0), datamodule=DigitsData(),
+                         ckpt_path=str(Path(side.log_dir) / "checkpoints" / name))
+        assert evaluated[step] == pytest.approx(float(checker.callback_metrics["val/acc"]), abs=3e-3)

@@ -6,36 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning_helpers import QUIET, Linear, batches
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer import Trainer
 from torchyard.trainer.combined import CombinedLoader
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.ddp import DDPStrategy
 from torchyard.trainer.strategies.single import SingleDeviceStrategy
-
-QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-             logger=False, accelerator="cpu", num_sanity_val_steps=0)
-
-
-def batches(count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
-
-
-class Linear(TrainModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(3, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class Validated(Linear):
