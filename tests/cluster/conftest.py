@@ -43,10 +43,16 @@ class Slurm:
     def wait(self, job_id: str, timeout: float, restarts: int = 0) -> dict[str, str]:
         """The job's fields once it has ended (after `restarts` requeues); fails the test past `timeout`."""
         deadline = time.monotonic() + timeout
+        ended_early: float | None = None  # when it was seen ended with fewer requeues than expected
         while time.monotonic() < deadline:
             fields = self.job(job_id)
-            if fields["JobState"] in FINAL_STATES and int(fields.get("Restarts", 0)) >= restarts:
-                return fields
+            if fields["JobState"] in FINAL_STATES:
+                if int(fields.get("Restarts", 0)) >= restarts:
+                    return fields
+                ended_early = ended_early or time.monotonic()
+                if time.monotonic() - ended_early > 15:  # no requeue is coming (before MinJobAge purges the job)
+                    pytest.fail(f"job {job_id} ended {fields['JobState']} after {fields.get('Restarts', 0)} "
+                                f"requeue(s), not {restarts}")
             time.sleep(1)
         pytest.fail(f"job {job_id} still {fields['JobState']} after {timeout:.0f} s")
 
