@@ -16,6 +16,7 @@ from torchyard.trainer.script_guard import in_spawn_bootstrap, script_call
 PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "torchyard.trainer",
            "torchyard.trainer.launcher"]
 
+
 def available() -> bool:
     """Whether this platform has a forkserver (Linux and macOS do; Windows spawns)."""
     return "forkserver" in multiprocessing.get_all_start_methods()
