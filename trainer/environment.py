@@ -45,13 +45,17 @@ class ClusterEnvironment:
         """True when a launcher already started every process of the job (no self-spawn needed)."""
         return self.name != "local"
 
+    def variables(self) -> dict[str, str]:
+        """These coordinates under the names torchrun sets, which torch.distributed's env:// rendezvous, user code
+        and torchrun_environment read: what a launcher hands each process it starts."""
+        return {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port), "RANK": str(self.global_rank),
+                "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
+                "NODE_RANK": str(self.node_rank)}
+
     def export(self) -> None:
-        """Set the variables torch.distributed's env:// rendezvous (and user code) read."""
-        os.environ.update(
-            MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port), RANK=str(self.global_rank),
-            WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-            LOCAL_WORLD_SIZE=str(self.local_world_size), NODE_RANK=str(self.node_rank),
-        )
+        """Set this process's variables (see variables)."""
+        os.environ.update(self.variables())
 
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torchyard.trainer import faults
-from torchyard.trainer.environment import detect_environment, find_free_port
+from torchyard.trainer.environment import ClusterEnvironment, detect_environment, find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.launcher import WorkerTraceback
 
@@ -190,12 +190,13 @@ class _Placement:
     node_of_rank: list[str]  # Ray node ids
     node_order: list[str]  # the job's nodes, node rank = index
 
-    def env(self, rank: int) -> dict[str, str]:
-        """`rank`'s coordinates as torchrun names them."""
+    def coordinates(self, rank: int, master_addr: str, master_port: int) -> ClusterEnvironment:
+        """`rank`'s place in the job, its ranks numbered node by node."""
         node = self.node_of_rank[rank]
-        return {"RANK": str(rank), "WORLD_SIZE": str(len(self.node_of_rank)),
-                "LOCAL_RANK": str(self.node_of_rank[:rank].count(node)),
-                "LOCAL_WORLD_SIZE": str(self.node_of_rank.count(node)), "GROUP_RANK": str(self.node_order.index(node))}
+        return ClusterEnvironment("torchrun", global_rank=rank, local_rank=self.node_of_rank[:rank].count(node),
+                                  world_size=len(self.node_of_rank), local_world_size=self.node_of_rank.count(node),
+                                  node_rank=self.node_order.index(node), master_addr=master_addr,
+                                  master_port=master_port)
 
     def same_node(self, rank: int) -> list[int]:
         """The ranks on `rank`'s node, in local-rank order."""
@@ -268,7 +269,7 @@ def _start_actors(ray: Any, placement: _Placement) -> list[Any]:
 def _rank_env(placement: _Placement, rank: int, places: list[dict[str, Any]], attempt: int,
               run_id: str) -> dict[str, str]:
     """The variables torchrun sets (environment.torchrun_environment reads them) for `rank` of this attempt."""
-    env = {**placement.env(rank), "MASTER_ADDR": places[0]["ip"], "MASTER_PORT": str(places[0]["port"]),
+    env = {**placement.coordinates(rank, places[0]["ip"], int(places[0]["port"])).variables(),
            "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": run_id}
     if places[rank]["gpus"]:
         # Every rank of a node sees the node's GPUs of the job, in local-rank order, so cuda:<local rank> is its

@@ -148,12 +148,10 @@ def start_script_ranks(processes_per_node: int, num_nodes: int) -> tuple[ScriptR
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, usable_cores() // processes_per_node))
 
     def rank_env(local_rank: int) -> dict[str, str]:
-        rank = node_rank * processes_per_node + local_rank
-        return dict(
-            MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(local_rank),
-            WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(processes_per_node), GROUP_RANK=str(node_rank),
-            NODE_RANK=str(node_rank), OMP_NUM_THREADS=threads,
-        )
+        rank = ClusterEnvironment("torchrun", global_rank=node_rank * processes_per_node + local_rank,
+                                  local_rank=local_rank, world_size=world_size, local_world_size=processes_per_node,
+                                  node_rank=node_rank, master_addr=addr, master_port=port)
+        return {**rank.variables(), "OMP_NUM_THREADS": threads}
 
     command = rerun_command()
     carried = {LAUNCH_RNG_VARIABLE: _saved_rng_state()}
