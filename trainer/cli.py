@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import signal
 import sys
 import traceback
@@ -181,9 +180,9 @@ def run_stage(args: argparse.Namespace) -> int:
     """fit / validate / test / predict: build everything from the recipe, then run the stage."""
     # Here, not at the top: the framework imports torch, which `trainer --help` must not wait for.
     from torchyard.trainer import Trainer, seed_everything
-    from torchyard.trainer.recipe import load_recipe
+    from torchyard.trainer.recipe import import_from_cwd, load_recipe
 
-    _import_from_cwd()
+    import_from_cwd()
     recipe = load_recipe(args.sources)  # every check happens here, before anything is built
     if recipe.trainer.seed is not None:
         seed_everything(recipe.trainer.seed)  # the model's initial weights depend on it too
@@ -218,11 +217,10 @@ def show_config(args: argparse.Namespace) -> int:
         return 0
     if args.readme:
         raise MisconfigurationError("--readme goes with --reference: `trainer config --reference --readme README.md`.")
-    from torchyard.trainer.recipe import (
-        load_recipe,  # imports torch: here, not above, so that --reference stays fast
-    )
+    # Imports torch: here, not above, so that --reference stays fast.
+    from torchyard.trainer.recipe import import_from_cwd, load_recipe
 
-    _import_from_cwd()
+    import_from_cwd()
     print(load_recipe(args.sources).to_yaml(), end="")
     return 0
 
@@ -232,14 +230,14 @@ def evaluate_checkpoints(args: argparse.Namespace) -> int:
     # Imports torch: see run_stage.
     from torchyard.trainer import Trainer
     from torchyard.trainer.evaluator import evaluate_run, wait_for_run
-    from torchyard.trainer.recipe import load_recipe
+    from torchyard.trainer.recipe import import_from_cwd, load_recipe
 
     limit = args.limit_val_batches
     options = evaluator_config({
         "accelerator": args.accelerator, "device": args.device, "every_n": args.every_n,
         "poll_interval": args.poll_interval, "limit_val_batches": int(limit) if limit > 1 else limit,
     })
-    _import_from_cwd()
+    import_from_cwd()
     # The recipe the run saved builds its module and data (with --watch, once the job has written it).
     recipe = load_recipe([str(wait_for_run(Path(args.run_dir), args.watch, args.timeout, options.poll_interval))])
     record = evaluate_run(Trainer, recipe.model.instantiate(), recipe.data.instantiate(), recipe.trainer,
@@ -269,13 +267,16 @@ def convert_checkpoint(args: argparse.Namespace) -> int:
         raise MisconfigurationError(f"{str(out)!r} is a folder; give the path of the file to write.")
     print(f"wrote {convert_to_file(folder, out)}")
     return 0
+
+
 def run_scale(args: argparse.Namespace) -> int:
     """Plan the study (every check first), then run it: the table, runs.md and scale.png in its folder."""
     from rich.console import Console
 
+    from torchyard.trainer.recipe import import_from_cwd  # imports torch: see run_stage
     from torchyard.trainer.scale import plan_study, run_study  # imports torch: see run_stage
 
-    _import_from_cwd()
+    import_from_cwd()
     plan = plan_study(args.sources, args.devices, args.nodes, args.variants, args.steps, args.epochs, args.target,
                       args.warmup_steps, args.timeout)
     console = Console()
@@ -286,13 +287,6 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _import_from_cwd() -> None:
-    # A console script does not put the working directory on sys.path, but recipes name classes
-    # in the user's own modules next to them, as `python script.py` would find them.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
 
 
 def _run_of_recipe(sources: Sequence[str]) -> Any:

@@ -178,17 +178,12 @@ def node_command(sources: list[str], num_nodes: int, nproc: int) -> Callable[[in
 
 def _checked_recipe(sources: list[str]) -> list[str]:
     """The recipe's sources with absolute paths, after loading it here (its mistakes are one-line errors here)."""
-    from torchyard.trainer.recipe import is_override, load_recipe  # imports torch: `trainer --help` must not wait
+    # Imports torch: `trainer --help` must not wait for it.
+    from torchyard.trainer.recipe import is_override, load_recipe_to_run_elsewhere
 
-    missing = [source for source in sources if not is_override(source) and not Path(source).is_file()]
-    if missing:
-        raise MisconfigurationError(f"recipe file {missing[0]!r} does not exist.")
-    if not any(not is_override(source) for source in sources):
+    if all(is_override(source) for source in sources):
         raise MisconfigurationError("give a recipe file before the key=value overrides.")
-    if os.getcwd() not in sys.path:  # recipes name classes in modules next to them, as `trainer fit` finds them
-        sys.path.insert(0, os.getcwd())
-    load_recipe(sources)
-    return [source if is_override(source) else str(Path(source).resolve()) for source in sources]
+    return load_recipe_to_run_elsewhere(sources)[1]
 
 
 # --------------------------------------------------------------------------- ssh

@@ -26,7 +26,9 @@ A file may hold both keys: `callbacks` replaces first, then `callbacks+` appends
 from __future__ import annotations
 
 import io
+import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -108,6 +110,24 @@ class Recipe:
 
 
 # --------------------------------------------------------------------------- reading and merging
+
+
+def import_from_cwd() -> None:
+    """Put the working directory on sys.path: a console script does not, but recipes name classes in the user's
+    own modules next to them, as `python script.py` would find them."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def load_recipe_to_run_elsewhere(sources: Sequence[str]) -> tuple[Recipe, list[str]]:
+    """The recipe of `sources`, every check done here, and the sources with absolute file paths, for a command
+    that runs it elsewhere (another host, a batch job) from another folder."""
+    missing = [source for source in sources if not is_override(source) and not Path(source).is_file()]
+    if missing:
+        raise MisconfigurationError(f"recipe file {missing[0]!r} does not exist.")
+    import_from_cwd()
+    recipe = load_recipe(sources)
+    return recipe, [source if is_override(source) else str(Path(source).resolve()) for source in sources]
 
 
 def load_recipe(sources: Sequence[str | Path]) -> Recipe:

@@ -14,7 +14,6 @@ same folder) resumes from that checkpoint. The submitting process builds nothing
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import shutil
 import signal
@@ -59,9 +58,9 @@ def submit_command(args: argparse.Namespace) -> int:
     tasks_per_node = _tasks_per_node(args)
     script_source = _script_of(args.sources)
     if script_source is None:
-        name, root = _recipe_name_and_root(args.sources)
+        name, root, absolute = _recipe_name_and_root(args.sources)
         run_root = Path(args.resume).resolve() if args.resume else root / "slurm-${SLURM_JOB_ID}"
-        command = _fit_command(args.sources, args.nodes, tasks_per_node, run_root, resume=bool(args.resume))
+        command = _fit_command(absolute, args.nodes, tasks_per_node, run_root, resume=bool(args.resume))
     else:
         name, root, run_root = Path(script_source).stem, Path.cwd(), None
         command = [sys.executable, str(Path(script_source).resolve()), *args.sources[1:]]
@@ -140,27 +139,17 @@ def _script_of(sources: list[str]) -> str | None:
     return sources[0]
 
 
-def _recipe_name_and_root(sources: list[str]) -> tuple[str, Path]:
-    """The recipe's trainer.name and default_root_dir (absolute); the whole recipe is checked on the way."""
-    from torchyard.trainer.recipe import (  # imports torch: here, so that `trainer --help` stays fast
-        is_override,
-        load_recipe,
-    )
+def _recipe_name_and_root(sources: list[str]) -> tuple[str, Path, list[str]]:
+    """The recipe's trainer.name and default_root_dir (absolute), and its sources with absolute paths; the whole
+    recipe is checked on the way."""
+    from torchyard.trainer.recipe import load_recipe_to_run_elsewhere  # imports torch: `trainer --help` stays fast
 
-    missing = [source for source in sources if not is_override(source) and not Path(source).is_file()]
-    if missing:
-        raise MisconfigurationError(f"recipe file {missing[0]!r} does not exist.")
-    if os.getcwd() not in sys.path:  # recipes name classes in modules next to them, as `trainer fit` finds them
-        sys.path.insert(0, os.getcwd())
-    recipe = load_recipe(sources)
-    return recipe.trainer.name, Path(recipe.trainer.default_root_dir).resolve()
+    recipe, absolute = load_recipe_to_run_elsewhere(sources)
+    return recipe.trainer.name, Path(recipe.trainer.default_root_dir).resolve(), absolute
 
 
-def _fit_command(sources: list[str], nodes: int, tasks_per_node: int, run_root: Path, resume: bool) -> list[str]:
+def _fit_command(absolute: list[str], nodes: int, tasks_per_node: int, run_root: Path, resume: bool) -> list[str]:
     """`trainer fit` with the job's shape and run root; ckpt_path=last where there is a run to go on with."""
-    from torchyard.trainer.recipe import is_override  # imports torch: see _recipe_name_and_root
-
-    absolute = [source if is_override(source) else str(Path(source).resolve()) for source in sources]
     # A requeued job (SLURM_RESTART_COUNT set) resumes; its first attempt has nothing to resume from.
     resume_from_last = "ckpt_path=last" if resume else RESUME_WHEN_REQUEUED
     return [sys.executable, "-m", "torchyard.trainer", "fit", *absolute, f"trainer.num_nodes={nodes}",
