@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import multiprocessing
 import os
 import re
 import subprocess
@@ -106,8 +107,14 @@ def test_evaluator_options_are_checked_before_anything_runs():
     with pytest.raises(MisconfigurationError, match="evaluator.limit_val_batches=0"):
         load_recipe([DIGITS, "trainer.evaluator.limit_val_batches=0"])
     # A script without a __main__ guard, re-imported by the evaluator's spawned process, stops there at once.
-    with pytest.raises(SystemExit, match="the evaluator process imported the script"):
-        exec(compile("Trainer(evaluator=True)", "script.py", "exec"), {"__name__": "__mp_main__", "Trainer": Trainer})
+    process = multiprocessing.current_process()
+    process._inheriting = True  # what multiprocessing sets while a spawned child imports the parent's script
+    try:
+        with pytest.raises(SystemExit, match="the evaluator process imported the script"):
+            exec(compile("Trainer(evaluator=True)", "script.py", "exec"),
+                 {"__name__": "__mp_main__", "Trainer": Trainer})
+    finally:
+        del process._inheriting
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert evaluator_gpu(EvaluatorConfig(accelerator="cpu"), 0) is None
     assert evaluator_gpu(EvaluatorConfig(), gpus) is None  # auto: no GPU left to the evaluator, so the CPU

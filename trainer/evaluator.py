@@ -17,7 +17,6 @@ checkpoint is scored.
 from __future__ import annotations
 
 import copy
-import inspect
 import multiprocessing
 import shutil
 import sys
@@ -50,6 +49,7 @@ from torchyard.trainer.evaluation_record import (
 )
 from torchyard.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from torchyard.trainer.module import TrainModule, overridden
+from torchyard.trainer.script_guard import in_spawn_bootstrap
 from torchyard.trainer.strategies.single import SingleDeviceStrategy
 
 if TYPE_CHECKING:
@@ -286,23 +286,12 @@ def _side_process(job: SideJob, ended: Any) -> None:
     evaluator.run(watch=True, ended=lambda: ended.is_set() or (parent is not None and not parent.is_alive()))
 
 
-def _rerun_by_a_spawned_process() -> bool:
-    """Whether this code runs because a spawned process (the evaluator) imports the user's script as __mp_main__ and
-    its top level, not guarded by `if __name__ == "__main__":`, builds a Trainer again."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
-            return True
-        frame = frame.f_back
-    return False
-
-
 class EvaluatorProcess(Callback):
     """Added by `Trainer(evaluator=...)`: rank 0 starts the evaluator beside the fit and, once the fit's last
     checkpoint is written, lets it score that one and waits for it (a failed fit stops it at once)."""
 
     def __init__(self, options: EvaluatorConfig) -> None:
-        if _rerun_by_a_spawned_process():
+        if in_spawn_bootstrap():  # the spawned evaluator is importing the script, whose top level builds us again
             raise SystemExit("trainer: the evaluator process imported the script, whose top level builds the Trainer "
                              "again; put the code that builds the Trainer and calls fit under "
                              "`if __name__ == \"__main__\":`.")
