@@ -3,14 +3,14 @@
     python benchmarks/scale_communication.py [--hidden 128] [--block 10] [--blocks 24] [--processes 2]
 
 `trainer scale` reports, per step, the communication of the gradient all-reduce: each rank's wait for it is timed
-inside DDP's communication hook (trainer/strategies/comm_timing.py), and the StepTiming callback takes, step by step,
-the wait of the rank that arrived last (the others also waited for it to arrive). The independent
-measurement is the step time it costs: the same digits fit on 2 processes (gloo) alternates, in blocks of
-`--block` optimizer steps, between the real all-reduce and torch's no-op hook (debugging_hooks.noop_hook) swapped
-into the strategy's timer, so both kinds of block run in the same processes, interleaved, and drift in the machine's
-load hits both alike (whole runs minutes apart are not comparable on a shared machine). Prints rank 0's mean
-reported wait in all-reduce blocks, the difference of the mean step times (all-reduce blocks - no-op blocks), and
-their ratio (target: 0.75-1.25).
+inside DDP's communication hook (trainer/strategies/comm_timing.py), transfer and waiting for the slower rank alike,
+and the report takes the mean over the ranks. The independent measurement is the step time it costs: the same digits
+fit on 2 processes (gloo) alternates, in blocks of `--block` optimizer steps, between the real all-reduce and
+torch's no-op hook (debugging_hooks.noop_hook) swapped into the strategy's timer, so both kinds of block run in the
+same processes, interleaved, and drift in the machine's load hits both alike (whole runs minutes apart are not
+comparable on a shared machine). Prints each rank's step times and wait, the mean reported wait in all-reduce
+blocks, the difference of the mean step times (all-reduce blocks - no-op blocks, mean over the ranks), and their
+ratio (target: 0.75-1.25).
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class Interleave(Callback):
             self.waits.append(trainer.strategy.communication_seconds() - self.wait_at_start)
 
     def on_train_end(self, trainer, module):
-        waits = trainer.strategy.all_gather_object(self.waits)  # every rank's, step by step
+        ranks = trainer.strategy.all_gather_object((self.steps, self.waits))  # every rank's, step by step
         if trainer.is_global_zero:
-            Path(self.output).write_text(json.dumps({"steps": self.steps, "waits": waits}))
+            Path(self.output).write_text(json.dumps([{"steps": steps, "waits": waits} for steps, waits in ranks]))
         del self.hook  # the caller gets this callback back; a hook need not travel
 
 
@@ -95,20 +95,24 @@ def main() -> None:
                           enable_checkpointing=False, logger=False, default_root_dir=root,
                           callbacks=[Interleave(args.block, output)])
         trainer.fit(DigitsCNN(hidden=args.hidden), datamodule=DigitsData())
-        result = json.loads(Path(output).read_text())
-    steps = {kind: [1000 * s for s in values] for kind, values in result["steps"].items()}
-    # As StepTiming: per step, the wait of the rank that arrived last is the transfer; the rest is waiting for it.
-    reported = 1000 * transfer_seconds(result["waits"]) / len(result["waits"][0])
-    waited = 1000 * statistics.fmean(result["waits"][0])
-    measured = statistics.fmean(steps["allreduce"]) - statistics.fmean(steps["noop"])
-    by_median = statistics.median(steps["allreduce"]) - statistics.median(steps["noop"])
-    print(f"{args.processes} processes, DigitsCNN(hidden={args.hidden}), {len(steps['allreduce'])} all-reduce and "
-          f"{len(steps['noop'])} no-op steps interleaved in blocks of {args.block}:")
-    print(f"  step: {statistics.fmean(steps['allreduce']):.2f} ms with the all-reduce, "
-          f"{statistics.fmean(steps['noop']):.2f} ms with the no-op hook (medians {by_median:.2f} ms apart)")
-    print(f"  rank 0 waited {waited:.2f} ms/step in the all-reduce, slower ranks included")
+        ranks = json.loads(Path(output).read_text())
+    print(f"{args.processes} processes, DigitsCNN(hidden={args.hidden}), {len(ranks[0]['steps']['allreduce'])} "
+          f"all-reduce and {len(ranks[0]['steps']['noop'])} no-op steps per rank, interleaved in blocks of "
+          f"{args.block}:")
+    for rank, timing in enumerate(ranks):
+        steps = {kind: [1000 * s for s in values] for kind, values in timing["steps"].items()}
+        print(f"  rank {rank}: step {statistics.fmean(steps['allreduce']):.2f} ms with the all-reduce, "
+              f"{statistics.fmean(steps['noop']):.2f} ms with the no-op hook; waited "
+              f"{1000 * statistics.fmean(timing['waits']):.2f} ms in the all-reduce")
+    # As StepTiming and the scale report: the mean over the ranks of each rank's wait, per step.
+    reported = 1000 * statistics.fmean(statistics.fmean(timing["waits"]) for timing in ranks)
+    measured = statistics.fmean(statistics.fmean(t["steps"]["allreduce"]) - statistics.fmean(t["steps"]["noop"])
+                                for t in ranks) * 1000
+    transfer = 1000 * transfer_seconds([timing["waits"] for timing in ranks]) / len(ranks[0]["waits"])
+    print(f"  of the wait, {transfer:.2f} ms/step was the transfer (the last rank to arrive), the rest waiting for "
+          "the slower rank")
     print(f"  communication reported (trainer scale's timer) {reported:.2f} ms/step; step-time difference "
-          f"{measured:.2f} ms/step; ratio {reported / measured:.2f} (target 0.75-1.25)")
+          f"{measured:.2f} ms/step (mean over the ranks); ratio {reported / measured:.2f} (target 0.75-1.25)")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ class StepTiming(Callback):
     entry per rank (seconds in steps, of which waiting for the gradient all-reduce; seconds between steps, waiting
     for data; samples; peak memory) and, with `target` ('val/acc>=0.97' or 'val/loss<=1.2'), when it was reached.
 
-    A rank's wait for a collective holds the transfer and the time the other ranks took to arrive; the rank that
-    arrives last waits for the transfer alone, so per step the smallest wait over the ranks is the communication
-    (`transfer_s`) and the rest of each rank's wait is waiting for slower ranks. No clocks are compared across ranks.
+    A rank's wait for a collective holds the transfer and the time the other ranks took to arrive; both are what
+    synchronous communication costs the step (`communication_s`). The rank that arrives last waits for the transfer
+    alone, so per step the smallest wait over the ranks is the transfer (`transfer_s`) and the rest of each rank's
+    wait is waiting for slower ranks. No clocks are compared across ranks.
 
     Reaching the target stops the fit. Gaps that hold validation or an epoch's end are not counted as data wait.
     """
@@ -117,7 +118,7 @@ class StepTiming(Callback):
 
 
 def transfer_seconds(step_waits: list[list[float]]) -> float:
-    """The communication proper, summed over the steps: per step, the wait of the rank that waited least."""
+    """The transfer, summed over the steps: per step, the wait of the rank that waited least."""
     return sum(min(waits) for waits in zip(*step_waits)) if step_waits else 0.0
 
 

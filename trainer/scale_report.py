@@ -31,8 +31,8 @@ class Row:
     efficiency: float = math.nan
     epoch_s: float = math.nan
     compute_ms: float = math.nan
-    communication_ms: float = math.nan
-    imbalance_ms: float = math.nan  # waiting in collectives for slower ranks
+    communication_ms: float = math.nan  # the wait in collectives, as the step pays it
+    imbalance_ms: float = math.nan  # the part of communication_ms spent waiting for slower ranks to arrive
     data_ms: float = math.nan
     peak_memory_mb: list[float] = dataclasses.field(default_factory=list)
     target_s: float | None = None
@@ -46,7 +46,7 @@ class Row:
 
     @property
     def step_ms(self) -> float:
-        return self.compute_ms + self.communication_ms + self.imbalance_ms + self.data_ms
+        return self.compute_ms + self.communication_ms + self.data_ms
 
 
 def row_from_timing(label: str, nodes: int, per_node: int, variant: str, timing: dict[str, Any],
@@ -63,13 +63,13 @@ def row_from_timing(label: str, nodes: int, per_node: int, variant: str, timing:
         return 1000 * sum(rank[key] / rank["steps"] for rank in ranks) / len(ranks)
 
     step_ms, wait_ms, data_ms = per_step_ms("step_s"), per_step_ms("communication_s"), per_step_ms("data_wait_s")
-    comm_ms = per_step_ms("transfer_s")  # the same on every rank
+    transfer_ms = per_step_ms("transfer_s")  # the same on every rank
     reached = timing.get("target")
     return Row(
         label, nodes, per_node, variant,
         samples_per_s=sum(rank["samples"] for rank in ranks) / wall if wall > 0 else math.nan,
         epoch_s=(step_ms + data_ms) / 1000 * timing["steps_per_epoch"],
-        compute_ms=step_ms - wait_ms, communication_ms=comm_ms, imbalance_ms=wait_ms - comm_ms, data_ms=data_ms,
+        compute_ms=step_ms - wait_ms, communication_ms=wait_ms, imbalance_ms=wait_ms - transfer_ms, data_ms=data_ms,
         peak_memory_mb=[rank["peak_memory_mb"] for rank in ranks],
         target_s=reached["seconds"] if reached else None, target_epochs=reached["epochs"] if reached else None,
         run_seconds=seconds,
@@ -113,7 +113,7 @@ def explain_step(row: Row, baseline: Row | None) -> str:
     """Where the step time of a multi-process row goes, against the one-process step."""
     share = 100 * row.communication_ms / row.step_ms if row.step_ms > 0 else math.nan
     text = (f"At {row.label} a step takes {row.step_ms:.1f} ms: communication is {share:.0f}% of it "
-            f"({row.communication_ms:.1f} ms), waiting for slower ranks {row.imbalance_ms:.1f} ms, data wait "
+            f"({row.communication_ms:.1f} ms, of which {row.imbalance_ms:.1f} ms waiting for slower ranks), data wait "
             f"{row.data_ms:.1f} ms, compute {row.compute_ms:.1f} ms")
     if baseline is not None and baseline.compute_ms > 0:
         ratio = row.compute_ms / baseline.compute_ms
@@ -127,7 +127,7 @@ def _number(value: float | None, spec: str) -> str:
 
 
 TABLE_COLUMNS = ("layout", "procs", "samples/s", "speed-up", "efficiency", "s/epoch", "compute ms", "comm ms",
-                 "rank wait ms", "data ms", f"peak {MB}/rank", "s to target", "epochs to target", "error")
+                 "of which rank wait ms", "data ms", f"peak {MB}/rank", "s to target", "epochs to target", "error")
 TARGET_COLUMNS = ("s to target", "epochs to target")
 
 
@@ -190,7 +190,7 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
     except ImportError as err:
         raise MisconfigurationError("the PNG needs matplotlib: pip install 'torchyard[plot]'") from err
     done = [row for row in rows if row.error is None]
-    labels = [row.label.replace(" ", "\n", 1) for row in done]
+    labels = [row.label.replace(" ", "\n", 1).replace(":", "\n") for row in done]  # narrow enough not to overlap
     reached = any(row.target_s is not None for row in done)
     figure, axes = plt.subplots(1, 4 if reached else 3, figsize=(20 if reached else 15, 4.6), dpi=80)
     speed, split, memory = axes[:3]
@@ -200,10 +200,12 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
                        ha="center", va="bottom", fontsize="small")
     speed.set_title("samples/s (speed-up vs 1 process)")
     bottom = [0.0] * len(done)
-    for name, key, color in (("compute", "compute_ms", "tab:green"), ("communication", "communication_ms", "tab:red"),
-                             ("waiting for slower ranks", "imbalance_ms", "tab:orange"),
-                             ("data wait", "data_ms", "tab:gray")):
-        values = [getattr(row, key) for row in done]
+    # communication_ms holds imbalance_ms: the red bar is the transfer, the orange one the wait for slower ranks
+    for name, values, color in (
+            ("compute", [row.compute_ms for row in done], "tab:green"),
+            ("communication", [row.communication_ms - row.imbalance_ms for row in done], "tab:red"),
+            ("waiting for slower ranks", [row.imbalance_ms for row in done], "tab:orange"),
+            ("data wait", [row.data_ms for row in done], "tab:gray")):
         split.bar(labels, values, bottom=bottom, label=name, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
     split.set_title("time per step (ms), mean over ranks")
@@ -214,7 +216,7 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
         axes[3].bar(labels, [row.target_s if row.target_s is not None else 0.0 for row in done], color="tab:olive")
         axes[3].set_title("seconds of training to the target (0: not reached)")
     for axis in axes:
-        axis.tick_params(axis="x", labelsize="small")
+        axis.tick_params(axis="x", labelsize="small" if len(done) <= 5 else "x-small")
         axis.grid(axis="y", alpha=0.3)
     figure.suptitle(header, fontsize="small")
     figure.tight_layout()
