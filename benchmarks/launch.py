@@ -2,6 +2,7 @@
 --nproc-per-node=2` running the hand-written DDP script, both training the same model on the same data.
 
     python benchmarks/launch.py [--invocations 6] [--unguarded] [--cold]
+    python benchmarks/launch.py --single [--invocations 6]
 
 Each invocation is a fresh command (every import is paid, as a user pays it), timed from just before the command
 starts to the end of rank 0's first optimizer step (both ranks took part: its all-reduce). The sides alternate,
@@ -9,6 +10,10 @@ each going first in every other round, so drift in the machine's load hits both 
 and spread (min-max) in seconds and its ratio to torchrun's median (target <= 1.0). `--unguarded` also times the
 Trainer script without its main guard (Lightning's launch: rank 1 re-runs the command line); `--cold` also the
 guarded script with workers spawned as fresh interpreters (the launch before trainer/warm_start.py).
+
+`--single`: one process instead, `python hand_single.py` (a plain loop) against `python train_single.py` (the
+Trainer on its defaults: progress bar, model summary, CSV logger, checkpointing), timed the same way; prints the
+difference of the medians (target: hand-written + 0.3 s at most).
 """
 
 from __future__ import annotations
@@ -92,11 +97,26 @@ class FirstStep(Callback):
 
 def main():
     torch.manual_seed(0)
-    trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=OUT, callbacks=[FirstStep()])
+    trainer = Trainer(TRAINER_ARGUMENTS, default_root_dir=OUT, callbacks=[FirstStep()])
     trainer.fit(Classifier(), DataLoader(make_data(), batch_size=64, shuffle=True))
 '''
+
+
+HAND_WRITTEN_SINGLE = COMMON + '''
+torch.manual_seed(0)
+model = make_net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+for step, (x, y) in enumerate(DataLoader(make_data(), batch_size=64, shuffle=True)):
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    if step == 0:
+        first_step_done()
+'''
+
+DDP_ARGUMENTS = ('strategy="ddp", devices=2, accelerator="cpu", max_epochs=1, logger=False, '
+                 'enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False')
+SINGLE_ARGUMENTS = 'accelerator="cpu", max_epochs=1'  # the defaults: bar, summary, logger, checkpoints
 
 
 def time_command(command: list[str]) -> float:
@@ -118,17 +138,23 @@ def main() -> None:
     parser.add_argument("--invocations", type=int, default=6)
     parser.add_argument("--unguarded", action="store_true")
     parser.add_argument("--cold", action="store_true")
+    parser.add_argument("--single", action="store_true", help="one process: a plain loop against the Trainer")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
-    guarded = TRAINER + '\nif __name__ == "__main__":\n    main()\n'
+    ddp = TRAINER.replace("TRAINER_ARGUMENTS", DDP_ARGUMENTS)
+    guarded = ddp + '\nif __name__ == "__main__":\n    main()\n'
     no_forkserver = "import torchyard.trainer.warm_start as warm_start\nwarm_start.available = lambda: False\n"
-    scripts = {"hand.py": HAND_WRITTEN, "train.py": guarded, "unguarded.py": TRAINER + "\nmain()\n",
-               "cold.py": no_forkserver + guarded}
+    scripts = {"hand.py": HAND_WRITTEN, "train.py": guarded, "unguarded.py": ddp + "\nmain()\n",
+               "cold.py": no_forkserver + guarded, "hand_single.py": HAND_WRITTEN_SINGLE,
+               "train_single.py": TRAINER.replace("TRAINER_ARGUMENTS", SINGLE_ARGUMENTS) + "\nmain()\n"}
     for name, text in scripts.items():
         (folder / name).write_text(text)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    sides = {"torchrun hand.py": [*torchrun, str(folder / "hand.py")],
-             "python train.py": [sys.executable, str(folder / "train.py")]}
+    if args.single:
+        sides = {name: [sys.executable, str(folder / name)] for name in ("hand_single.py", "train_single.py")}
+    else:
+        sides = {"torchrun hand.py": [*torchrun, str(folder / "hand.py")],
+                 "python train.py": [sys.executable, str(folder / "train.py")]}
     if args.unguarded:
         sides["python unguarded.py"] = [sys.executable, str(folder / "unguarded.py")]
     if args.cold:
@@ -138,12 +164,17 @@ def main() -> None:
     for round_index in range(args.invocations):
         for name in list(sides) if round_index % 2 == 0 else list(reversed(sides)):
             times[name].append(time_command(sides[name]))
-    reference = statistics.median(times["torchrun hand.py"])
-    print(f"launch to first training step, 2-process ddp (gloo), {args.invocations} invocations each, interleaved")
+    reference_name = next(iter(sides))
+    reference = statistics.median(times[reference_name])
+    layout = "one process" if args.single else "2-process ddp (gloo)"
+    print(f"launch to first training step, {layout}, {args.invocations} invocations each, interleaved")
     for name, values in times.items():
         median = statistics.median(values)
         print(f"{name:22s} median {median:6.2f} s  spread {min(values):6.2f}-{max(values):6.2f} s  "
-              f"ratio {median / reference:5.3f}")
+              f"ratio {median / reference:5.3f}  {median - reference:+.2f} s")
+    if args.single:
+        print(f"Trainer over the plain loop: {statistics.median(times['train_single.py']) - reference:+.2f} s "
+              "(target +0.3 s at most)")
 
 
 if __name__ == "__main__":
