@@ -292,7 +292,7 @@ def test_a_stale_last_ckpt_gives_way_to_newer_files_trained_further(tmp_path):
 
 def test_last_looks_in_a_given_checkpoint_folder_and_logger_folder(tmp_path):
     from torchyard.callbacks import ModelCheckpoint
-    from torchyard.trainer.logging import CSVLogger
+    from torchyard.trainer.loggers import CSVLogger
 
     def run(max_epochs, ckpt_path=None, **where):
         counted = BatchCount()

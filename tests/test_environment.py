@@ -12,6 +12,7 @@ from torchyard.trainer.environment import (
     first_slurm_host,
     node_rendezvous,
     resolve_environment,
+    worker_threads,
 )
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.ddp import DDPStrategy
@@ -279,3 +280,13 @@ def test_world_size_must_match_devices_times_nodes():
     strategy.configure("cpu", devices=2, num_nodes=1, precision="32")
     with pytest.raises(MisconfigurationError, match="torchrun started 4 process.*devices=2, num_nodes=1\\) expects 2"):
         strategy.setup_environment(detect_environment(TORCHRUN))
+
+
+@pytest.mark.parametrize(("omp", "expected"), [(None, 4), ("", 4), ("3", 3), ("4,2", 4), ("0", 1), ("many", 4)])
+def test_worker_threads_take_the_users_outer_omp_setting_else_share_the_cores(monkeypatch, omp, expected):
+    monkeypatch.setattr("torchyard.trainer.environment.usable_cores", lambda: 8)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert worker_threads(2) == expected

@@ -228,7 +228,7 @@ def test_a_checkpoint_of_another_run_starts_a_new_run_folder_and_leaves_the_othe
 
 
 def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_path):
-    from torchyard.trainer.logging import CSVLogger
+    from torchyard.trainer.loggers import CSVLogger
 
     train, _ = datasets
     trainer = Trainer(max_epochs=1, logger=CSVLogger(tmp_path, name="x", version="baseline"), log_every_n_steps=1,
@@ -238,7 +238,7 @@ def test_a_logger_version_given_as_a_string_is_the_folders_name(datasets, tmp_pa
 
 
 def test_a_loggers_prefix_goes_before_every_metric_name(datasets, tmp_path):
-    from torchyard.trainer.logging import CSVLogger
+    from torchyard.trainer.loggers import CSVLogger
 
     train, val = datasets
     plain, prefixed = CSVLogger(tmp_path, name="plain"), CSVLogger(tmp_path, name="prefixed", prefix="exp")

@@ -278,6 +278,14 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def worker_threads(processes_per_node: int) -> int:
+    """Torch threads for each of this node's workers: the user's OMP_NUM_THREADS (its outer level when nested, as
+    in "4,2"), else the usable cores shared among the workers. Set explicitly in each worker: one forked from the
+    forkserver keeps the thread count the forkserver started with."""
+    outer = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return max(1, int(outer)) if outer.isdigit() else max(1, usable_cores() // processes_per_node)
+
+
 def find_free_port() -> int:
     """A TCP port free on this host right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -32,7 +32,7 @@ from torchyard.trainer.environment import (
     detect_environment,
     find_free_port,
     node_rendezvous,
-    usable_cores,
+    worker_threads,
 )
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.rng import rng_state, set_rng_state
@@ -84,7 +84,7 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
         warm_start.start()  # already running when the Trainer started it early
     workdir = Path(tempfile.mkdtemp(prefix="trainer-launch-"))
     config, node_rank = _launch_config(trainer, nproc, num_nodes, workdir)
-    threads = _worker_threads(nproc)
+    threads = worker_threads(nproc)
     try:
         with _restored_process_state(), _quiet_agent_logs():
             os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -302,15 +302,6 @@ def _check_master_before_rendezvous(trainer: Trainer) -> bool:
     node_checks.check_master(addr, port, serves=node_rank == 0, wait_s=trainer.config.timeout,
                              who=f"node {node_rank}")
     return node_rank == 0
-
-
-def _worker_threads(nproc: int) -> int:
-    """Torch threads per worker: the user's OMP_NUM_THREADS, else the cores shared among this node's workers
-    (set explicitly: a worker forked from the forkserver keeps the thread count the forkserver started with)."""
-    try:
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
-    except ValueError:
-        return max(1, usable_cores() // nproc)
 
 
 def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) -> tuple[LaunchConfig, int]:

@@ -13,16 +13,7 @@ import torch
 
 from torchyard.trainer.data import batch_size_of
 from torchyard.trainer.errors import MisconfigurationError
-
-# The writers live in trainer/loggers.py; their names stay importable from here, where they always were.
-from torchyard.trainer.loggers import (  # noqa: F401
-    CSVLogger,
-    Logger,
-    TensorBoardLogger,
-    atomic_write_text,
-    hparams_yaml,
-    print_results_table,
-)
+from torchyard.trainer.loggers import Logger
 
 if TYPE_CHECKING:
     from torchmetrics import Metric

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from torchyard.trainer.batches import batch_limit, epoch_batches, val_every, validates_after
+from torchyard.trainer.batches import batch_limit, epoch_batches, move_to_device, val_every, validates_after
 from torchyard.trainer.combined import CombinedLoader
 from torchyard.trainer.data import batch_mover, data_wait_advice, measure_data_wait, set_epoch
 from torchyard.trainer.errors import MisconfigurationError
@@ -24,7 +24,6 @@ from torchyard.trainer.predictions import merge_prediction_shares, recording_bat
 from torchyard.trainer.rng import rng_state, seeded, set_rng_state
 from torchyard.trainer.samplers import draw_epoch_order, skip_batches
 from torchyard.trainer.step import TrainStep
-from torchyard.trainer.strategies.base import move_to_device
 
 if TYPE_CHECKING:
     from torchyard.trainer.trainer import Trainer

@@ -13,9 +13,9 @@ from torch.utils import _pytree as pytree
 
 from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.checkpoint import load_checkpoint_file, load_hparams_file, weights_mismatch
+from torchyard.trainer.config import CLIP_ALGORITHMS
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest
 from torchyard.trainer.hparams import AttributeDict, constructor_parameters, init_args
-from torchyard.trainer.optim import CLIP_ALGORITHMS
 
 if TYPE_CHECKING:
     from torchyard.callbacks.base import Callback

@@ -15,8 +15,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-# The option schema owns these value sets (it imports no torch); CLIP_ALGORITHMS stays importable from here.
-from torchyard.trainer.config import CLIP_ALGORITHMS, LR_SCALINGS  # noqa: F401
+from torchyard.trainer.config import LR_SCALINGS
 from torchyard.trainer.errors import MisconfigurationError
 
 

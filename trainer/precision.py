@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# The option schema owns the value set and its names; importable from here too.
-from torchyard.trainer.config import PRECISION_ALIASES, PRECISIONS, UNSUPPORTED_PRECISIONS, precision_name  # noqa: F401
+from torchyard.trainer.config import precision_name
 from torchyard.trainer.errors import MisconfigurationError
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from torchyard.trainer.config import TrainerConfig, dump_yaml, save_run_config
 from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluator import EvaluatorProcess
-from torchyard.trainer.logging import CSVLogger, Logger, TensorBoardLogger
+from torchyard.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import (
     LRScaler,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchyard.trainer.logging import Logger
+    from torchyard.trainer.loggers import Logger
     from torchyard.trainer.strategies import Strategy
 
 RUN_ID_FILE = ".elastic_run_id"  # in a version folder: the torchrun job whose attempts all write there

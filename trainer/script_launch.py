@@ -23,7 +23,7 @@ from torchyard.trainer.environment import (
     detect_environment,
     find_free_port,
     node_rendezvous,
-    usable_cores,
+    worker_threads,
 )
 from torchyard.trainer.rng import rng_state, set_rng_state
 
@@ -145,13 +145,14 @@ def start_script_ranks(processes_per_node: int, num_nodes: int) -> tuple[ScriptR
     else:
         addr, port, node_rank = node_rendezvous()
     world_size = processes_per_node * num_nodes
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, usable_cores() // processes_per_node))
+    threads = worker_threads(processes_per_node)
+    omp_num_threads = os.environ.get("OMP_NUM_THREADS") or str(threads)  # a user's nested setting goes on as it is
 
     def rank_env(local_rank: int) -> dict[str, str]:
         rank = ClusterEnvironment("torchrun", global_rank=node_rank * processes_per_node + local_rank,
                                   local_rank=local_rank, world_size=world_size, local_world_size=processes_per_node,
                                   node_rank=node_rank, master_addr=addr, master_port=port)
-        return {**rank.variables(), "OMP_NUM_THREADS": threads}
+        return {**rank.variables(), "OMP_NUM_THREADS": omp_num_threads}
 
     command = rerun_command()
     carried = {LAUNCH_RNG_VARIABLE: _saved_rng_state()}
@@ -163,8 +164,7 @@ def start_script_ranks(processes_per_node: int, num_nodes: int) -> tuple[ScriptR
     }
     # As Lightning does, this process keeps its rank's variables: a later stage of the script joins the same job.
     os.environ.update(rank_env(0))
-    if threads.isdigit():  # the user's OMP_NUM_THREADS may be a nested list ("4,2"): then left to OpenMP
-        torch.set_num_threads(max(1, int(threads)))
+    torch.set_num_threads(threads)
     return ScriptRanks(processes, world_size), detect_environment()
 
 

@@ -19,7 +19,8 @@ from torchyard.trainer.config import TrainerConfig, make_config
 from torchyard.trainer.data import DataModule, build_loaders, stage_loaders
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.hooks import Hooks
-from torchyard.trainer.logging import Logger, MetricCollector, print_results_table
+from torchyard.trainer.loggers import Logger, print_results_table
+from torchyard.trainer.logging import MetricCollector
 from torchyard.trainer.loop import evaluation_loop, fit_loop, predict_loop
 from torchyard.trainer.loop_state import LoopState, Progress
 from torchyard.trainer.module import TrainModule

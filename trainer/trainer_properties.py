@@ -12,7 +12,8 @@ from torchyard.callbacks.base import Callback
 from torchyard.callbacks.profilers import Profiler
 from torchyard.trainer.batches import batch_limit
 from torchyard.trainer.hooks import Hooks
-from torchyard.trainer.logging import Logger, MetricCollector
+from torchyard.trainer.loggers import Logger
+from torchyard.trainer.logging import MetricCollector
 from torchyard.trainer.loop_state import LoopState
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from torchyard.trainer.batches import move_to_device  # noqa: F401  (importable from here, where it was)
+from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.checkpoint import (
     link_checkpoint_file,
     load_checkpoint_file,
