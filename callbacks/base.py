@@ -33,6 +33,11 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
 
+    def stop_reason(self, trainer: Trainer) -> str | None:
+        """Why training stopped, when this callback stopped it (set `trainer.should_stop`): the fit's last line
+        says so. None: it did not."""
+        return None
+
     @property
     def step_collective(self) -> str | None:
         """The setting that makes this callback run a collective at chosen optimizer steps, as the user wrote

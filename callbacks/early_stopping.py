@@ -7,6 +7,8 @@ import warnings
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluation_record import SCORED, read_record, scores
@@ -179,6 +181,12 @@ class EarlyStopping(Callback):
             return why.PATIENCE_EXHAUSTED, (f"{name} did not improve by more than {self.min_delta} in the last "
                                             f"{self.wait_count} checks (best {self.best_score:.5g}). Stopping.")
         return go_on, None
+
+    @override
+    def stop_reason(self, trainer: Trainer) -> str | None:
+        if self.stopping_reason_message is None:
+            return None
+        return f"early stopping: {self.stopping_reason_message.removesuffix(' Stopping.').rstrip('.')}"
 
     def state_dict(self) -> dict[str, Any]:
         return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self.best_score,

@@ -11,8 +11,6 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from torchyard.callbacks.base import Callback
-from torchyard.callbacks.early_stopping import EarlyStopping
-from torchyard.callbacks.timer import Timer
 from torchyard.trainer.data import samples_in_batches
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.resume import shown_path
@@ -79,13 +77,10 @@ def stop_reason(trainer: Trainer) -> str:
     """Why a fit's training ended, read from the trainer and its callbacks once it has (nothing is tracked per step)."""
     config, progress = trainer.config, trainer.progress
     if trainer.should_stop:
-        early = next((c for c in trainer.callbacks if isinstance(c, EarlyStopping) and c.stopping_reason_message), None)
-        if early is not None:
-            return f"early stopping: {early.stopping_reason_message.removesuffix(' Stopping.').rstrip('.')}"
-        timer = next((c for c in trainer.callbacks if isinstance(c, Timer) and c.duration is not None
-                      and c.time_remaining("train") <= 0), None)
-        if timer is not None:
-            return f"time limit reached ({timedelta(seconds=timer.duration)})"
+        told = (c.stop_reason(trainer) for c in trainer.callbacks if isinstance(c, Callback))
+        reason = next((reason for reason in told if reason is not None), None)
+        if reason is not None:
+            return reason
     if config.max_steps != -1 and progress.global_step >= config.max_steps:
         return f"max_steps={config.max_steps} reached"
     if trainer.max_epochs != -1 and progress.epoch >= trainer.max_epochs:

@@ -6,6 +6,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import parse_duration
 from torchyard.trainer.errors import MisconfigurationError
@@ -54,6 +56,12 @@ class Timer(Callback):
         if start is None:
             return offset
         return self._end.get(stage, time.monotonic()) - start + offset
+
+    @override
+    def stop_reason(self, trainer: Trainer) -> str | None:
+        if self.duration is None or self.time_elapsed("train") < self.duration:
+            return None
+        return f"time limit reached ({timedelta(seconds=self.duration)})"
 
     def time_remaining(self, stage: str = "train") -> float | None:
         """Seconds left of `duration`, or None without one."""

@@ -971,8 +971,19 @@ def said(capsys, prefix: str) -> list[str]:
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith(prefix)]
 
 
+class StopsAfterOneEpoch(Callback):
+    """A user's stopping callback, which names its reason for the fit's last line."""
+
+    def on_train_epoch_end(self, trainer, module):
+        trainer.should_stop = True
+
+    def stop_reason(self, trainer):
+        return "one epoch was enough" if trainer.should_stop else None
+
+
 @pytest.mark.parametrize(("options", "extra", "reason"), [
     ({"max_epochs": 2}, [], "max_epochs=2 reached"),
+    ({"max_epochs": 5}, [StopsAfterOneEpoch()], "one epoch was enough"),
     ({"max_epochs": 5, "max_steps": 3}, [], "max_steps=3 reached"),
     ({"max_epochs": 5}, [EarlyStopping("val/score", patience=1)],
      "early stopping: 'val/score' did not improve by more than 0.0 in the last 1 checks (best 1)"),

@@ -73,11 +73,8 @@ LAYERS: dict[str, int] = {
     f"{T}.scale_report": 18, f"{T}.scale": 20,
 }
 
-STOP_REASON = "the end-of-run line names why the run stopped, which the stopping callbacks keep"
 # Same-layer imports that are allowed, (importer, imported): reason.
 SAME_LAYER: dict[tuple[str, str], str] = {
-    (f"{C}.summary", f"{C}.early_stopping"): STOP_REASON,
-    (f"{C}.summary", f"{C}.timer"): STOP_REASON,
     (f"{T}.ray_launcher", f"{T}.launcher"): "a Ray worker's failure is raised as a self-launched one's",
 }
 
