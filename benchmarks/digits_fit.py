@@ -1,0 +1,221 @@
+"""The digits CNN fit with validation each epoch: Trainer (on its defaults) against a hand-written PyTorch loop.
+
+    python benchmarks/digits_fit.py [--rounds 10] [--epochs 5] [--threads 1]
+
+Both sides train recipes/digits.yaml's model and data (DigitsCNN, DigitsData: batch 64, lr 0.002; the module built
+right after torch.manual_seed(0)) for the same epochs, on the same loaders: DigitsData's train_dataloader()
+(shuffled) and val_dataloader() after its setup, 20 training and 6 validation batches an epoch.
+
+The hand-written loop takes its optimizer from the module's configure_optimizers (AdamW), calls the module as the
+plain nn.Module it is, records the loss every log_every_n_steps (5) steps into a CSV file with `.item()`,
+validates after every epoch under torch.no_grad() in eval mode (the mean loss and a torchmetrics
+MulticlassAccuracy, written to the CSV), and saves a checkpoint (model, optimizer, epoch) after every epoch,
+written to a temporary file, fsynced and renamed: the guarantee the framework's checkpoints give.
+
+The Trainer runs `Trainer(max_epochs=N, accelerator="cpu", log_every_n_steps=5, default_root_dir=tmp)
+.fit(module, datamodule=DigitsData())` on its defaults: rich progress bar, model summary, CSV logger, the
+sanity check (2 validation batches) and the default ModelCheckpoint (no monitor: each epoch's checkpoint, also
+named last.ckpt; not the recipe's monitor=val/acc). The module logs train/loss every step and val/loss, val/acc
+in validation (recipes/digits.py, unchanged); a subclass only adds on_train_start / on_train_end hooks that take
+the timestamps. The progress bar writes to stdout as it does for a user; outside a terminal that is a line per
+epoch.
+
+Method: each side's training phase is timed from just before the first training step (the Trainer's
+on_train_start, after its sanity check) to the end of the last epoch, its validation and checkpoint included
+(on_train_end), in wall time (perf_counter) and in the process's CPU time (process_time: every thread, the
+progress bar's included); divided by the epochs, that is the time per epoch with validation. The whole fit
+is timed too, in wall time: from the seeding and the module's construction to the end of `fit` (the hand
+loop's return), with the data's setup, the sanity check, the model summary and the logger's files in it.
+One warm-up run of each side (one epoch) comes first; then each round runs both sides, alternating which goes
+first, so that drift in the machine's speed hits both alike. Prints each side's median and spread (min-max),
+and the ratio Trainer / hand-written both as the median of the rounds' own ratios (the two runs of a round
+ran back to back) and as the ratio of the medians.
+
+The two sides must train the same weights: the framework keeps the loader's own shuffle, drawn from the
+global RNG as each epoch's iterator starts, and the validation loader's iterator draws its seed from it
+after every epoch on both sides (the Trainer's sanity check gives back what it drew). The benchmark
+prints whether the final weights of the last round are bitwise equal, and both sides' last val/acc.
+
+One intra-op thread by default: a second one only adds noise on a shared machine, and what differs between the
+sides is the framework's Python work, not the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torchmetrics.classification import MulticlassAccuracy
+
+from torchyard.recipes.digits import DigitsCNN, DigitsData
+from torchyard.trainer import Trainer
+
+BATCH, LR = 64, 0.002  # recipes/digits.yaml
+LOG_EVERY = 5
+CLOCKS = ("wall", "cpu")
+
+
+def now() -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds over all its threads)."""
+    return time.perf_counter(), time.process_time()
+
+
+@dataclass
+class Run:
+    """One fit: its training phase's start and end (both clocks), the whole fit (wall), what it trained."""
+
+    start: tuple[float, float]
+    end: tuple[float, float]
+    whole: float
+    epochs: int
+    weights: dict[str, torch.Tensor]
+    val_acc: float
+
+    def per_epoch(self, clock: int) -> float:
+        return (self.end[clock] - self.start[clock]) / self.epochs
+
+
+class TimedDigitsCNN(DigitsCNN):
+    """DigitsCNN as the recipe builds it, stamping the start and end of the training phase."""
+
+    def on_train_start(self) -> None:
+        self.train_start = now()
+
+    def on_train_end(self) -> None:
+        self.train_end = now()
+
+
+def save_atomically(state: dict, path: Path) -> None:
+    """torch.save to a temporary file, fsynced, then renamed over `path`: the checkpoint is whole or absent."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def validate(model: DigitsCNN, loader: DataLoader, accuracy: MulticlassAccuracy) -> tuple[float, float]:
+    """Mean loss over the validation images and their accuracy."""
+    model.eval()
+    loss_sum, images_seen = torch.zeros(()), 0
+    with torch.no_grad():
+        for images, labels in loader:
+            logits = model(images)
+            loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+            images_seen += len(labels)
+            accuracy.update(logits, labels)
+    result = (loss_sum / images_seen).item(), accuracy.compute().item()
+    accuracy.reset()
+    return result
+
+
+def hand_written(epochs: int, folder: Path) -> Run:
+    begin = time.perf_counter()
+    torch.manual_seed(0)
+    model = DigitsCNN(lr=LR)
+    data = DigitsData(batch_size=BATCH)
+    data.setup("fit")
+    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+    optimizer = model.configure_optimizers()
+    accuracy = MulticlassAccuracy(num_classes=10, average="micro")
+    folder.mkdir(parents=True, exist_ok=True)
+    steps = 0
+    with open(folder / "metrics.csv", "w", newline="") as metrics:
+        writer = csv.writer(metrics)
+        writer.writerow(["epoch", "step", "train/loss", "val/loss", "val/acc"])
+        start = now()
+        for epoch in range(epochs):
+            model.train()
+            for images, labels in train_loader:
+                loss = F.cross_entropy(model(images), labels)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                steps += 1
+                if steps % LOG_EVERY == 0:
+                    writer.writerow([epoch, steps, loss.item(), "", ""])
+            val_loss, val_acc = validate(model, val_loader, accuracy)
+            writer.writerow([epoch, steps, "", val_loss, val_acc])
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": steps}
+            save_atomically(state, folder / "last.ckpt")
+        end = now()
+    return Run(start, end, time.perf_counter() - begin, epochs, model.state_dict(), val_acc)
+
+
+def with_trainer(epochs: int, folder: Path) -> Run:
+    begin = time.perf_counter()
+    torch.manual_seed(0)
+    module = TimedDigitsCNN(lr=LR)
+    trainer = Trainer(max_epochs=epochs, accelerator="cpu", log_every_n_steps=LOG_EVERY, default_root_dir=str(folder))
+    trainer.fit(module, datamodule=DigitsData(batch_size=BATCH))
+    whole = time.perf_counter() - begin
+    val_acc = float(trainer.callback_metrics["val/acc"])
+    return Run(module.train_start, module.train_end, whole, epochs, module.state_dict(), val_acc)
+
+
+def spread(values: list[float], unit: float, digits: int) -> str:
+    scaled = [value * unit for value in values]
+    return f"median {statistics.median(scaled):.{digits}f} (min-max {min(scaled):.{digits}f}-{max(scaled):.{digits}f})"
+
+
+def report(what: str, hand: list[float], ours: list[float], unit: str, scale: float, digits: int) -> None:
+    """Each side's median and spread, and the ratio Trainer / hand-written two ways."""
+    rounds = [mine / theirs for mine, theirs in zip(ours, hand)]
+    print(f"{what}:")
+    print(f"  hand-written {spread(hand, scale, digits)} {unit}")
+    print(f"  Trainer      {spread(ours, scale, digits)} {unit}")
+    print(f"  ratio Trainer / hand-written: median of the rounds' ratios {statistics.median(rounds):.3f} "
+          f"(min-max {min(rounds):.3f}-{max(rounds):.3f}); ratio of the medians "
+          f"{statistics.median(ours) / statistics.median(hand):.3f}")
+
+
+def same_weights(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> str:
+    """'bitwise equal', or which tensors differ and by how much at most."""
+    differing = [name for name in first if not torch.equal(first[name], second[name])]
+    if not differing:
+        return f"bitwise equal ({len(first)} tensors)"
+    largest = max((first[name].double() - second[name].double()).abs().max().item() for name in differing)
+    return (f"DIFFERENT: {len(differing)} of {len(first)} tensors ({', '.join(differing[:4])}...), "
+            f"by up to {largest:.3g}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sides = {"hand-written": hand_written, "Trainer": with_trainer}
+    runs: dict[str, list[Run]] = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, side in sides.items():  # first-touch costs (allocator, kernels, the digits file) hit neither side
+            side(1, Path(tmp) / f"warmup-{name}")
+        for round_index in range(args.rounds):
+            order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
+            for name in order:
+                runs[name].append(sides[name](args.epochs, Path(tmp) / f"{name}-{round_index}"))
+
+    hand, ours = runs["hand-written"], runs["Trainer"]
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); digits CNN, batch {BATCH}, "
+          f"{args.epochs} epochs with validation each, {args.rounds} rounds alternating which side goes first")
+    for clock, name in enumerate(CLOCKS):
+        report(f"time per epoch with validation ({name})", [run.per_epoch(clock) for run in hand],
+               [run.per_epoch(clock) for run in ours], "ms", 1e3, 1)
+    report("whole fit (wall)", [run.whole for run in hand], [run.whole for run in ours], "s", 1.0, 3)
+    print(f"final weights, last round: {same_weights(hand[-1].weights, ours[-1].weights)}; "
+          f"val/acc hand-written {hand[-1].val_acc:.4f}, Trainer {ours[-1].val_acc:.4f}")
+
+
+if __name__ == "__main__":
+    main()
