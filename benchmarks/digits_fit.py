@@ -49,6 +49,7 @@ import argparse
 import csv
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -122,37 +123,57 @@ def validate(model: DigitsCNN, loader: DataLoader, accuracy: MulticlassAccuracy)
     return result
 
 
+class HandLoop:
+    """The hand-written side: built as a script would build it (seed, model, data, optimizer, CSV file); `epoch`
+    trains one epoch, validates and saves the checkpoint."""
+
+    def __init__(self, folder: Path) -> None:
+        torch.manual_seed(0)
+        self.model = DigitsCNN(lr=LR)
+        data = DigitsData(batch_size=BATCH)
+        data.setup("fit")
+        self.train_loader, self.val_loader = data.train_dataloader(), data.val_dataloader()
+        self.optimizer = self.model.configure_optimizers()
+        self.accuracy = MulticlassAccuracy(num_classes=10, average="micro")
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(folder / "metrics.csv", "w", newline="")
+        self.writer = csv.writer(self.metrics_file)
+        self.writer.writerow(["epoch", "step", "train/loss", "val/loss", "val/acc"])
+        self.epochs_done = self.steps = 0
+        self.val_acc = float("nan")
+
+    def epoch(self) -> None:
+        model, optimizer, writer, steps = self.model, self.optimizer, self.writer, self.steps
+        model.train()
+        for images, labels in self.train_loader:
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+            if steps % LOG_EVERY == 0:
+                writer.writerow([self.epochs_done, steps, loss.item(), "", ""])
+        val_loss, self.val_acc = validate(model, self.val_loader, self.accuracy)
+        writer.writerow([self.epochs_done, steps, "", val_loss, self.val_acc])
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": self.epochs_done,
+                 "step": steps}
+        save_atomically(state, self.folder / "last.ckpt")
+        self.steps, self.epochs_done = steps, self.epochs_done + 1
+
+    def close(self) -> None:
+        self.metrics_file.close()
+
+
 def hand_written(epochs: int, folder: Path) -> Run:
     begin = time.perf_counter()
-    torch.manual_seed(0)
-    model = DigitsCNN(lr=LR)
-    data = DigitsData(batch_size=BATCH)
-    data.setup("fit")
-    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
-    optimizer = model.configure_optimizers()
-    accuracy = MulticlassAccuracy(num_classes=10, average="micro")
-    folder.mkdir(parents=True, exist_ok=True)
-    steps = 0
-    with open(folder / "metrics.csv", "w", newline="") as metrics:
-        writer = csv.writer(metrics)
-        writer.writerow(["epoch", "step", "train/loss", "val/loss", "val/acc"])
-        start = now()
-        for epoch in range(epochs):
-            model.train()
-            for images, labels in train_loader:
-                loss = F.cross_entropy(model(images), labels)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                steps += 1
-                if steps % LOG_EVERY == 0:
-                    writer.writerow([epoch, steps, loss.item(), "", ""])
-            val_loss, val_acc = validate(model, val_loader, accuracy)
-            writer.writerow([epoch, steps, "", val_loss, val_acc])
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": steps}
-            save_atomically(state, folder / "last.ckpt")
-        end = now()
-    return Run(start, end, time.perf_counter() - begin, epochs, model.state_dict(), val_acc)
+    hand = HandLoop(folder)
+    start = now()
+    for _ in range(epochs):
+        hand.epoch()
+    end = now()
+    hand.close()
+    return Run(start, end, time.perf_counter() - begin, epochs, hand.model.state_dict(), hand.val_acc)
 
 
 def with_trainer(epochs: int, folder: Path) -> Run:
@@ -164,6 +185,106 @@ def with_trainer(epochs: int, folder: Path) -> Run:
     whole = time.perf_counter() - begin
     val_acc = float(trainer.callback_metrics["val/acc"])
     return Run(module.train_start, module.train_end, whole, epochs, module.state_dict(), val_acc)
+
+
+class OwnRng:
+    """A stream of torch's global RNG of its own: inside `with`, the global RNG goes on from where this stream
+    left off; outside, it is the caller's, untouched (unlike torch.random.fork_rng, the stream continues)."""
+
+    def __init__(self) -> None:
+        self.state = torch.get_rng_state()
+
+    def __enter__(self) -> None:
+        self.callers = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        self.state = torch.get_rng_state()
+        torch.set_rng_state(self.callers)
+
+
+class TimedEpochs:
+    """Interleaved epochs: a hand-written epoch before each epoch of the other side and one after its last, each
+    timed; `other` collects the other side's epochs (from the end of one hand-written epoch to the next's start)."""
+
+    def __init__(self, hand: HandLoop) -> None:
+        self.hand, self.rng = hand, OwnRng()  # the hand side draws its own stream: the other's is left as it was
+        self.hand_epochs: list[tuple[float, float]] = []
+        self.other: list[tuple[float, float]] = []
+        self.mark: tuple[float, float] | None = None
+        self.hand_weights: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, torch.Tensor] = {}  # the other side's, at its end
+
+    def hand_epoch(self, last: bool = False) -> None:
+        stamp = now()
+        if self.mark is not None:
+            self.other.append((stamp[0] - self.mark[0], stamp[1] - self.mark[1]))
+        if last:  # the weights after as many epochs as the other side trained
+            self.hand_weights = {name: value.clone() for name, value in self.hand.model.state_dict().items()}
+        with self.rng:
+            self.hand.epoch()
+        self.mark = now()
+        self.hand_epochs.append((self.mark[0] - stamp[0], self.mark[1] - stamp[1]))
+
+    def ratios(self, clock: int) -> list[float]:
+        """Each epoch of the other side over the mean of the two hand-written epochs around it."""
+        hand = [epoch[clock] for epoch in self.hand_epochs]
+        return [other[clock] / ((before + after) / 2) for other, before, after in
+                zip(self.other, hand, hand[1:])]
+
+
+class InterleavedDigitsCNN(DigitsCNN):
+    """DigitsCNN as the recipe builds it, running TimedEpochs' hand-written epochs from its epoch hooks."""
+
+    timed: TimedEpochs  # set after construction: save_hyperparameters records only the recipe's arguments
+
+    def on_train_epoch_start(self) -> None:
+        self.timed.hand_epoch()
+
+    def on_train_end(self) -> None:
+        self.timed.hand_epoch(last=True)
+
+
+def interleaved(epochs: int, folder: Path) -> TimedEpochs:
+    """The Trainer's fit with a hand-written epoch before each of its epochs and after its last."""
+    timed = TimedEpochs(HandLoop(folder / "hand"))
+    torch.manual_seed(0)
+    module = InterleavedDigitsCNN(lr=LR)
+    module.timed = timed
+    trainer = Trainer(max_epochs=epochs, accelerator="cpu", log_every_n_steps=LOG_EVERY, default_root_dir=str(folder))
+    trainer.fit(module, datamodule=DigitsData(batch_size=BATCH))
+    timed.hand.close()
+    timed.weights = module.state_dict()
+    return timed
+
+
+def interleaved_hand_pair(epochs: int, folder: Path) -> TimedEpochs:
+    """The same with a second hand-written loop in the Trainer's place (an A/A run): the method's own bias."""
+    timed = TimedEpochs(HandLoop(folder / "hand"))
+    other = HandLoop(folder / "other")
+    for _ in range(epochs):
+        timed.hand_epoch()
+        other.epoch()
+    timed.hand_epoch(last=True)
+    timed.hand.close()
+    other.close()
+    timed.weights = other.model.state_dict()
+    return timed
+
+
+def report_interleaved(trainer_runs: list[TimedEpochs], aa_runs: list[TimedEpochs]) -> None:
+    print(f"interleaved epochs, {len(trainer_runs)} rounds (a hand-written epoch before each Trainer epoch and after "
+          "its last; each Trainer epoch over the mean of the two around it):")
+    for clock, name in enumerate(CLOCKS):
+        rounds = [statistics.median(run.ratios(clock)) for run in trainer_runs]
+        every = [ratio for run in trainer_runs for ratio in run.ratios(clock)]
+        bias = statistics.median(ratio for run in aa_runs for ratio in run.ratios(clock))
+        median = statistics.median(every)
+        print(f"  {name:>4}: Trainer / hand-written per epoch with validation: {median:.3f} (median of "
+              f"{len(every)} epochs; rounds' medians {min(rounds):.3f}-{max(rounds):.3f}); A/A {bias:.3f}; "
+              f"without the method's bias {median / bias:.3f}")
+    last = trainer_runs[-1]
+    print(f"  final weights, last round: {same_weights(last.hand_weights, last.weights)}")
 
 
 def spread(values: list[float], unit: float, digits: int) -> str:
@@ -192,32 +313,62 @@ def same_weights(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]
             f"by up to {largest:.3g}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def separate_rounds(rounds: int, epochs: int) -> None:
+    """Whole fits of each side, alternating which goes first (see "Method")."""
     sides = {"hand-written": hand_written, "Trainer": with_trainer}
     runs: dict[str, list[Run]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for name, side in sides.items():  # first-touch costs (allocator, kernels, the digits file) hit neither side
             side(1, Path(tmp) / f"warmup-{name}")
-        for round_index in range(args.rounds):
+        for round_index in range(rounds):
             order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
             for name in order:
-                runs[name].append(sides[name](args.epochs, Path(tmp) / f"{name}-{round_index}"))
-
+                runs[name].append(sides[name](epochs, Path(tmp) / f"{name}-{round_index}"))
     hand, ours = runs["hand-written"], runs["Trainer"]
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); digits CNN, batch {BATCH}, "
-          f"{args.epochs} epochs with validation each, {args.rounds} rounds alternating which side goes first")
+    print(f"\n{header(epochs)}, {rounds} rounds alternating which side goes first")
     for clock, name in enumerate(CLOCKS):
         report(f"time per epoch with validation ({name})", [run.per_epoch(clock) for run in hand],
                [run.per_epoch(clock) for run in ours], "ms", 1e3, 1)
     report("whole fit (wall)", [run.whole for run in hand], [run.whole for run in ours], "s", 1.0, 3)
+    setup = [statistics.median(run.whole - (run.end[0] - run.start[0]) for run in side) * 1e3 for side in (hand, ours)]
+    print(f"  of which outside the training phase (set-up, sanity check, summaries), median: hand-written "
+          f"{setup[0]:.0f} ms, Trainer {setup[1]:.0f} ms")
     print(f"final weights, last round: {same_weights(hand[-1].weights, ours[-1].weights)}; "
           f"val/acc hand-written {hand[-1].val_acc:.4f}, Trainer {ours[-1].val_acc:.4f}")
+
+
+def interleaved_rounds(rounds: int, epochs: int) -> None:
+    """The Trainer's epochs interleaved with hand-written ones, and the A/A run, alternating (see "Interleaved")."""
+    trainer_runs, aa_runs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        interleaved(1, Path(tmp) / "warmup")
+        sides = {"Trainer": (interleaved, trainer_runs), "A/A": (interleaved_hand_pair, aa_runs)}
+        for round_index in range(rounds):
+            order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
+            for name in order:
+                measure, runs = sides[name]
+                runs.append(measure(epochs, Path(tmp) / f"{name.replace('/', '')}-{round_index}"))
+    print(f"\n{header(epochs)}")
+    report_interleaved(trainer_runs, aa_runs)
+
+
+def header(epochs: int) -> str:
+    bar = "a live bar (stdout is a terminal)" if sys.stdout.isatty() else "a line per epoch (stdout is no terminal)"
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); digits CNN, batch {BATCH}, "
+            f"{epochs} epochs with validation each; progress bar: {bar}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--interleaved", action="store_true",
+                        help="instead of whole fits, interleave hand-written epochs with the Trainer's (and an A/A "
+                             "run)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    (interleaved_rounds if args.interleaved else separate_rounds)(args.rounds, args.epochs)
 
 
 if __name__ == "__main__":
