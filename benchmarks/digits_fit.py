@@ -1,6 +1,6 @@
 """The digits CNN fit with validation each epoch: Trainer (on its defaults) against a hand-written PyTorch loop.
 
-    python benchmarks/digits_fit.py [--rounds 10] [--epochs 5] [--threads 1]
+    python benchmarks/digits_fit.py [--rounds 10] [--epochs 5] [--threads 1] [--interleaved]
 
 Both sides train recipes/digits.yaml's model and data (DigitsCNN, DigitsData: batch 64, lr 0.002; the module built
 right after torch.manual_seed(0)) for the same epochs, on the same loaders: DigitsData's train_dataloader()
@@ -34,10 +34,24 @@ first, so that drift in the machine's speed hits both alike. Prints each side's 
 and the ratio Trainer / hand-written both as the median of the rounds' own ratios (the two runs of a round
 ran back to back) and as the ratio of the medians.
 
+Interleaved (`--interleaved`): whole runs a second apart are not comparable on a shared machine, whose speed
+drifts by tens of percent within a second (one round's ratio moves by +-15% there). So this mode interleaves
+epochs within one fit: the module's on_train_epoch_start runs a whole hand-written epoch (training, validation,
+checkpoint) before each of the Trainer's epochs, and its on_train_end one more after the last; each Trainer
+epoch (from the end of one hand-written epoch to the start of the next: its training, validation, checkpoint and
+hooks) is divided by the mean of the two hand-written epochs around it, which cancels a drift linear over the
+three. The hand-written epochs draw from an RNG stream of their own (the global RNG swapped in and out around
+them), so the Trainer's side draws exactly what it draws alone and the two sides still train the same weights.
+The median over every epoch of every round is the figure; the method's own bias is measured by an A/A run (a
+second hand-written loop in the Trainer's place, timed the same way), printed, and divided out. The progress
+bar's line thread is idle between its lines; in a terminal, rich's live bar redraws from its own thread during
+both sides' epochs, which the interleaving would split between them: read this mode through a pipe.
+
 The two sides must train the same weights: the framework keeps the loader's own shuffle, drawn from the
 global RNG as each epoch's iterator starts, and the validation loader's iterator draws its seed from it
 after every epoch on both sides (the Trainer's sanity check gives back what it drew). The benchmark
-prints whether the final weights of the last round are bitwise equal, and both sides' last val/acc.
+prints whether the final weights of the last round are bitwise equal (in both modes), and both sides' last
+val/acc.
 
 One intra-op thread by default: a second one only adds noise on a shared machine, and what differs between the
 sides is the framework's Python work, not the kernels.
