@@ -233,8 +233,9 @@ class TimedEpochs:
         stamp = now()
         if self.mark is not None:
             self.other.append((stamp[0] - self.mark[0], stamp[1] - self.mark[1]))
-        if last:  # the weights after as many epochs as the other side trained
+        if last:  # the weights after as many epochs as the other side trained (the copy timed by neither side)
             self.hand_weights = {name: value.clone() for name, value in self.hand.model.state_dict().items()}
+            stamp = now()
         with self.rng:
             self.hand.epoch()
         self.mark = now()
