@@ -581,7 +581,7 @@ def main() -> None:
     trainer_import = import_seconds(TRAINER_IMPORT, args.import_repeats)
     print(f"python -c 'import torch':   {torch_import * 1e3:.0f} ms (median of {args.import_repeats})")
     print(f"python -c '{TRAINER_IMPORT}': {trainer_import * 1e3:.0f} ms (median of {args.import_repeats}); "
-          f"+{(trainer_import - torch_import) * 1e3:.0f} ms over torch")
+          f"{(trainer_import - torch_import) * 1e3:+.0f} ms over torch")
 
 
 if __name__ == "__main__":

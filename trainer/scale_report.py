@@ -203,8 +203,8 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
     # communication_ms holds imbalance_ms: the red bar is the transfer, the orange one the wait for slower ranks
     for name, values, color in (
             ("compute", [row.compute_ms for row in done], "tab:green"),
-            ("communication", [row.communication_ms - row.imbalance_ms for row in done], "tab:red"),
-            ("waiting for slower ranks", [row.imbalance_ms for row in done], "tab:orange"),
+            ("communication: transfer", [row.communication_ms - row.imbalance_ms for row in done], "tab:red"),
+            ("communication: waiting for slower ranks", [row.imbalance_ms for row in done], "tab:orange"),
             ("data wait", [row.data_ms for row in done], "tab:gray")):
         split.bar(labels, values, bottom=bottom, label=name, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
