@@ -991,14 +991,16 @@ class StopsAfterOneEpoch(Callback):
 ])
 def test_a_fit_says_what_runs_it_and_at_its_end_why_it_stopped_and_where_its_run_is(tmp_path, capsys, options,
                                                                                         extra, reason):
-    module = Scripted([1.0, 2.0, 3.0, 4.0, 5.0], sleep=0.005 if "max_time" in options else 0.0)
-    make_trainer(tmp_path, [ModelSummary(max_depth=0), *extra], **options).fit(module, *loaders())
+    def module():  # steps slow enough for max_time to stop the run before its 5 scripted epochs run out
+        return Scripted([1.0, 2.0, 3.0, 4.0, 5.0], sleep=0.005 if "max_time" in options else 0.0)
+
+    make_trainer(tmp_path, [ModelSummary(max_depth=0), *extra], **options).fit(module(), *loaders())
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if line.startswith("trainer: ")] == [
         "trainer: fit with strategy single, 1 process on cpu",
         f"trainer: training stopped: {reason}; run folder default/version_0"]
     # Quiet without the summary, as the run summary is.
-    make_trainer(tmp_path, extra, **options).fit(Scripted([1.0, 2.0, 3.0, 4.0, 5.0]), *loaders())
+    make_trainer(tmp_path, extra, **options).fit(module(), *loaders())
     assert said(capsys, "trainer: ") == []
 
 
