@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from port_data import QUIET, fake_mnist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
@@ -26,18 +27,6 @@ from torchyard.trainer import TrainModule as LightningModule
 from torchyard.trainer.combined import CombinedLoader  # lightning.pytorch.utilities.CombinedLoader
 from torchyard.trainer.loggers import CSVLogger  # lightning.pytorch.loggers
 from torchyard.trainer.strategies.ddp import DDPStrategy
-
-QUIET = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-
-
-def images(samples: int = 64, seed: int = 0) -> TensorDataset:
-    """MNIST-shaped images whose label sets one pixel row (a download replaced by synthetic tensors)."""
-    generator = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (samples,), generator=generator)
-    x = torch.rand(samples, 1, 28, 28, generator=generator) * 0.1
-    x[torch.arange(samples), 0, labels * 2, :] = 1.0
-    return TensorDataset(x, labels)
-
 
 # --------------------------------------------------------------------------- starter/introduction.rst
 
@@ -66,7 +55,7 @@ def test_starter_introduction(tmp_path):
     encoder = nn.Sequential(nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 3))
     decoder = nn.Sequential(nn.Linear(3, 64), nn.ReLU(), nn.Linear(64, 28 * 28))
     autoencoder = LitAutoEncoder(encoder, decoder)
-    train_loader = DataLoader(images(), batch_size=8)
+    train_loader = DataLoader(fake_mnist(), batch_size=8)
     trainer = Trainer(limit_train_batches=100, max_epochs=1, default_root_dir=str(tmp_path), **QUIET)
     trainer.fit(model=autoencoder, train_dataloaders=train_loader)
     checkpoint = Path(trainer.log_dir) / "checkpoints" / "epoch=0-step=8.ckpt"
@@ -259,8 +248,8 @@ def test_callbacks_early_stopping_accumulation_and_progress_bar(tmp_path):
     accumulator = GradientAccumulationScheduler(scheduling={0: 2, 2: 1})
     trainer = Trainer(max_epochs=30, callbacks=[printing, early_stopping, accumulator, TQDMProgressBar(refresh_rate=0)],
                       default_root_dir=str(tmp_path), enable_model_summary=False, accelerator="cpu")
-    trainer.fit(LitModel(learning_rate=0.5), DataLoader(images(64), batch_size=8),
-                DataLoader(images(32, 1), batch_size=8))
+    trainer.fit(LitModel(learning_rate=0.5), DataLoader(fake_mnist(64), batch_size=8),
+                DataLoader(fake_mnist(32, 1), batch_size=8))
     assert printing.events == ["Training is starting", "Training is ending"]
     assert early_stopping.stopping_reason is EarlyStoppingReason.STOPPING_THRESHOLD
     assert trainer.current_epoch < 30 and trainer.callback_metrics["val_acc"] >= 0.99
@@ -299,7 +288,7 @@ def test_checkpoints_hyperparameters_and_logging(tmp_path):
     checkpoint_callback = ModelCheckpoint(dirpath=tmp_path / "my" / "path", save_top_k=2, monitor="train_loss")
     logger = CSVLogger(save_dir=str(tmp_path), name="logs")
     trainer = Trainer(max_epochs=3, callbacks=[checkpoint_callback], logger=logger, log_every_n_steps=1, **QUIET)
-    trainer.fit(model, DataLoader(images(32), batch_size=8))
+    trainer.fit(model, DataLoader(fake_mnist(32), batch_size=8))
     assert len(list((tmp_path / "my" / "path").glob("*.ckpt"))) == 2
     best = LitNamespace.load_from_checkpoint(checkpoint_callback.best_model_path)
     assert best.hparams.classes == 10 and best.layer.out_features == 10
@@ -307,7 +296,7 @@ def test_checkpoints_hyperparameters_and_logging(tmp_path):
     reloaded = LitNamespace.load_from_checkpoint(checkpoint_callback.best_model_path, hparams_file=hparams_file)
     assert reloaded.hparams.lr == 0.1
     resumed = Trainer(max_epochs=4, logger=False, callbacks=[ModelCheckpoint(dirpath=tmp_path / "resumed")], **QUIET)
-    resumed.fit(LitNamespace(Namespace(classes=10, lr=0.1)), DataLoader(images(32), batch_size=8),
+    resumed.fit(LitNamespace(Namespace(classes=10, lr=0.1)), DataLoader(fake_mnist(32), batch_size=8),
                 ckpt_path=checkpoint_callback.last_model_path or checkpoint_callback.best_model_path)
     assert resumed.global_step == 16
     logged = (Path(trainer.log_dir) / "metrics.csv").read_text()
@@ -328,12 +317,12 @@ class MNISTDataModule(LightningDataModule):
 
     def setup(self, stage: str):
         if stage == "fit":
-            self.mnist_train, self.mnist_val = random_split(images(80), [64, 16],
+            self.mnist_train, self.mnist_val = random_split(fake_mnist(80), [64, 16],
                                                             generator=torch.Generator().manual_seed(42))
         if stage == "test":
-            self.mnist_test = images(32, seed=2)
+            self.mnist_test = fake_mnist(32, seed=2)
         if stage == "predict":
-            self.mnist_predict = images(16, seed=3)
+            self.mnist_predict = fake_mnist(16, seed=3)
 
     def train_dataloader(self):
         return DataLoader(self.mnist_train, batch_size=self.batch_size)
@@ -356,10 +345,10 @@ def test_datamodule(tmp_path):
     trainer.fit(model, datamodule=dm)
     tested = trainer.test(model, datamodule=MNISTDataModule(), verbose=False)
     predictions = torch.cat(trainer.predict(model, datamodule=dm))
-    labels = images(16, seed=3).tensors[1]
+    labels = fake_mnist(16, seed=3).tensors[1]
     assert dm.prepared == 2 and (predictions.argmax(1) == labels).float().mean() > 0.9
     with torch.no_grad():
-        x, y = images(32, seed=2).tensors
+        x, y = fake_mnist(32, seed=2).tensors
         assert tested[0]["test_acc"] == pytest.approx((model(x).argmax(1) == y).float().mean().item())
 
 
@@ -371,7 +360,7 @@ def test_trainer_flags(tmp_path):
     seed_everything(0)
     trainer = Trainer(overfit_batches=2, max_epochs=3, min_steps=2, barebones=True, accelerator="cpu",
                       default_root_dir=str(tmp_path))
-    trainer.fit(LitModel(), DataLoader(images(64), batch_size=8), DataLoader(images(32, 1), batch_size=8))
+    trainer.fit(LitModel(), DataLoader(fake_mnist(64), batch_size=8), DataLoader(fake_mnist(32, 1), batch_size=8))
     assert trainer.global_step == 6 and trainer.num_val_batches == [2]
     assert not any(tmp_path.iterdir())
 
@@ -408,14 +397,14 @@ def test_callbacks_state(tmp_path):
     seed_everything(0)
     trainer = Trainer(callbacks=[Counter(what="epochs"), Counter(what="batches")], max_epochs=2,
                       default_root_dir=str(tmp_path), **QUIET)
-    trainer.fit(LitModel(), DataLoader(images(32), batch_size=8))
+    trainer.fit(LitModel(), DataLoader(fake_mnist(32), batch_size=8))
     last = trainer.checkpoint_callback.last_model_path
     saved = torch.load(last, weights_only=True)["callbacks"]
     assert saved["Counter[what=epochs]"] == {"epochs": 2, "batches": 0}
     assert saved["Counter[what=batches]"] == {"epochs": 0, "batches": 8}
     counters = [Counter(what="epochs"), Counter(what="batches")]
     Trainer(callbacks=counters, max_epochs=3, default_root_dir=str(tmp_path), **QUIET).fit(
-        LitModel(), DataLoader(images(32), batch_size=8), ckpt_path=last)
+        LitModel(), DataLoader(fake_mnist(32), batch_size=8), ckpt_path=last)
     assert [c.state for c in counters] == [{"epochs": 3, "batches": 0}, {"epochs": 0, "batches": 12}]
 
 
@@ -428,13 +417,13 @@ def test_checkpointing_intermediate(tmp_path):
                                           filename="sample-mnist-{epoch:02d}-{val_loss:.2f}", save_top_k=3, mode="min")
     trainer = Trainer(callbacks=[checkpoint_callback], max_epochs=5, default_root_dir=str(tmp_path), **QUIET)
     model = LitModel()
-    trainer.fit(model, DataLoader(images(32), batch_size=8), DataLoader(images(16, 1), batch_size=8))
+    trainer.fit(model, DataLoader(fake_mnist(32), batch_size=8), DataLoader(fake_mnist(16, 1), batch_size=8))
     files = sorted(path.name for path in (tmp_path / "my/path").glob("*.ckpt"))
     assert len(files) == 3 and all(name.startswith("sample-mnist-epoch=0") for name in files)
     scores = {path: float(score) for path, score in checkpoint_callback.best_k_models.items()}
     assert checkpoint_callback.best_model_score == min(scores.values())
     best = LitModel.load_from_checkpoint(checkpoint_callback.best_model_path)
     with torch.no_grad():
-        x, y = images(16, 1).tensors
+        x, y = fake_mnist(16, 1).tensors
         assert F.cross_entropy(best(x), y).item() == pytest.approx(float(checkpoint_callback.best_model_score),
                                                                     rel=1e-5)

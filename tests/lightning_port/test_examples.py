@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from port_data import QUIET, fake_mnist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, random_split
 
@@ -21,18 +22,6 @@ from torchyard.callbacks import Callback, ModelCheckpoint
 from torchyard.trainer import DataModule as LightningDataModule
 from torchyard.trainer import Trainer, seed_everything
 from torchyard.trainer import TrainModule as LightningModule
-
-QUIET = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-
-
-def fake_mnist(samples: int, seed: int = 0) -> TensorDataset:
-    """MNIST's shapes ((1, 28, 28) images, 10 classes) with a learnable signal: the class sets one pixel row."""
-    generator = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (samples,), generator=generator)
-    images = torch.rand(samples, 1, 28, 28, generator=generator) * 0.1
-    images[torch.arange(samples), 0, labels * 2, :] = 1.0
-    return TensorDataset(images, labels)
-
 
 # --------------------------------------------------------------------------- examples/pytorch/bug_report
 
