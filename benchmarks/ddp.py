@@ -79,8 +79,9 @@ def stamp() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def step_times(stamps: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps[WARMUP:], stamps[WARMUP + 1:])]
+def step_times(stamps: list[tuple[float, float]], warmup: int = WARMUP) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each step after the first `warmup` ones."""
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
 
 
 def hand_written(rank: int, port: int, data: TensorDataset, args: argparse.Namespace) -> list[tuple[float, float]]:

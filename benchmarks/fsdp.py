@@ -18,13 +18,13 @@ import datetime
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ddp import stamp, step_times  # the same clocks as the ddp benchmark
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -99,15 +99,6 @@ class Probe(Callback):
         self.stamps.append(stamp())
 
 
-def stamp() -> tuple[float, float]:
-    """(wall clock, this process's CPU time): CPU time per step barely moves when other jobs load the machine."""
-    return time.perf_counter(), time.process_time()
-
-
-def step_times(stamps: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps[WARMUP:], stamps[WARMUP + 1:])]
-
-
 def hand_written(rank: int, port: int, data: TensorDataset, args: argparse.Namespace) -> list[tuple[float, float]]:
     """The textbook FSDP2 loop: a mesh, fully_shard per block then the root, DistributedSampler, AdamW."""
     if dist.is_initialized():  # a launched Trainer leaves its group up for the script, as Lightning does
@@ -132,7 +123,7 @@ def hand_written(rank: int, port: int, data: TensorDataset, args: argparse.Names
         stamps.append(stamp())
     del model, optimizer
     dist.destroy_process_group()
-    return step_times(stamps)
+    return step_times(stamps, WARMUP)
 
 
 def with_trainer(data: TensorDataset, args: argparse.Namespace, strategy: object) -> tuple[list, dict[str, int]]:
@@ -142,7 +133,7 @@ def with_trainer(data: TensorDataset, args: argparse.Namespace, strategy: object
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, default_root_dir=tempfile.mkdtemp(), callbacks=[probe])
     trainer.fit(Classifier(args.width, args.blocks), DataLoader(data, batch_size=args.batch, shuffle=True))
-    return step_times(probe.stamps), probe.bytes
+    return step_times(probe.stamps, WARMUP), probe.bytes
 
 
 def worker(rank: int, ports: list[int], args: argparse.Namespace, out: str) -> None:
