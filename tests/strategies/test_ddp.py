@@ -196,13 +196,19 @@ class MismatchedGather(Net):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.timeout(240)
-def test_all_gather_with_gradients_trains_as_one_process_on_the_concatenated_batches(tmp_path):
-    module = GatheringNet()
+def fit_on_two_ranks(module: Net, tmp_path) -> Trainer:
+    """Fit `module`, from the reference's initial weights, under ddp on 2 processes; the trainer that did."""
     module.load_state_dict(initial_state())
     trainer = Trainer(strategy="ddp", devices=2, max_epochs=EPOCHS, seed=SEED, default_root_dir=str(tmp_path),
                       enable_checkpointing=False, logger=False, **QUIET)
     trainer.fit(module, DataLoader(TRAIN, batch_size=BATCH, shuffle=True))
+    return trainer
+
+
+@pytest.mark.timeout(240)
+def test_all_gather_with_gradients_trains_as_one_process_on_the_concatenated_batches(tmp_path):
+    module = GatheringNet()
+    fit_on_two_ranks(module, tmp_path)
     # Each rank's loss is the mean over both batches; its gradient reaches each rank's own predictions.
     assert_same_weights(module.state_dict(), concatenated_batch_reference(initial_state(), BASE_LR), atol=1e-5)
 
@@ -234,10 +240,7 @@ class ManualNet(Net):
 @pytest.mark.timeout(240)
 def test_manual_optimization_under_ddp_trains_as_one_process_on_the_concatenated_batches(tmp_path):
     module = ManualNet()
-    module.load_state_dict(initial_state())
-    trainer = Trainer(strategy="ddp", devices=2, max_epochs=EPOCHS, seed=SEED, default_root_dir=str(tmp_path),
-                      enable_checkpointing=False, logger=False, **QUIET)
-    trainer.fit(module, DataLoader(TRAIN, batch_size=BATCH, shuffle=True))
+    trainer = fit_on_two_ranks(module, tmp_path)
     assert trainer.global_step == EPOCHS * 5
     assert_same_weights(module.state_dict(), concatenated_batch_reference(initial_state(), BASE_LR), atol=1e-5)
 
