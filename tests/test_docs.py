@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from processes import reaped
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -99,16 +100,13 @@ def run_block(folder: Path, block: Block) -> subprocess.CompletedProcess:
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     proc = subprocess.Popen(command, cwd=folder, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S[block.multi_process])
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{block.id} ran past {TIMEOUT_S[block.multi_process]} s:\n{output[-3000:]}")
-    finally:
-        if proc.poll() is None:
+    with reaped([proc]):
+        try:
+            output, _ = proc.communicate(timeout=TIMEOUT_S[block.multi_process])
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            output, _ = proc.communicate()
+            pytest.fail(f"{block.id} ran past {TIMEOUT_S[block.multi_process]} s:\n{output[-3000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, output)
 
 

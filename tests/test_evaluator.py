@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from processes import reaped
 from typing_extensions import override
 
 from torchyard.callbacks import Callback, EarlyStopping, ModelCheckpoint
@@ -275,16 +276,11 @@ def test_trainer_evaluate_watch_attached_to_a_running_ddp_job_scores_every_check
         [*command, "evaluate", "runs/digits_ddp/version_0", "--watch", "--accelerator", "cpu", "--poll-interval",
          "0.2", "--timeout", "120"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
-    try:
+    with reaped([fit, watch]):
         fit_output, _ = fit.communicate(timeout=250)
         if fit.returncode != 0:
             watch.kill()
         watch_output, _ = watch.communicate(timeout=250)
-    finally:
-        for process in (fit, watch):
-            if process.poll() is None:
-                process.kill()
-                process.wait()
     assert fit.returncode == 0, fit_output
     assert watch.returncode == 0, watch_output
     run = tmp_path / "runs" / "digits_ddp" / "version_0"

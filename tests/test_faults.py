@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from faults import fault_script
 from faults.fault_script import KillAt, Net, fit, starts
+from processes import reaped
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,13 +82,9 @@ def start_script(root: Path, *args: str) -> subprocess.Popen:
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     """Wait for the script; kill its whole group if it outlives the timeout or the test fails."""
-    try:
+    with reaped([proc]):
         output, _ = proc.communicate(timeout=timeout)
         return proc.returncode, output
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def wait_for(marker: Path, proc: subprocess.Popen, timeout: float = 90) -> None:

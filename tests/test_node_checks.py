@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from processes import reaped
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.trainer import Trainer, TrainModule
@@ -147,13 +148,8 @@ def test_a_version_mismatch_is_one_table_on_rank_0_and_no_node_trains(tmp_path):
             env[checks.FAKE_VERSION_VARIABLE] = "torch=0.0.0+fake"
         processes.append(subprocess.Popen([sys.executable, "-c", TWO_NODE_CHILD, str(steps)], env=env, cwd=tmp_path,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
+    with reaped(processes):
         outputs = [process.communicate(timeout=150)[0] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
     assert [process.returncode for process in processes] == [1, 1], outputs
     rank0 = outputs[0]
     assert rank0.count("The nodes of this job differ") == 1 and "The nodes of this job differ" not in outputs[1]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from processes import reaped
 
 from torchyard.trainer.runs import VersionClaim
 
@@ -41,7 +41,7 @@ def test_eight_fits_started_at_once_get_eight_folders_and_eight_whole_metrics_fi
     procs = [subprocess.Popen([*command, str(tmp_path / f"ready{i}")], cwd=tmp_path, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
              for i in range(RUNS)]
-    try:
+    with reaped(procs):
         deadline = time.time() + 240
         while not all((tmp_path / f"ready{i}").exists() for i in range(RUNS)):
             failed = [proc for proc in procs if proc.poll() is not None]
@@ -51,11 +51,6 @@ def test_eight_fits_started_at_once_get_eight_folders_and_eight_whole_metrics_fi
             time.sleep(0.05)
         go.write_text("go")  # every run asks for its folder now
         outputs = [proc.communicate(timeout=240)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
     assert [proc.returncode for proc in procs] == [0] * RUNS, outputs
     folders = {output.strip().splitlines()[-1] for output in outputs}
     assert len(folders) == RUNS

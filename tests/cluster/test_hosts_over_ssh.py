@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import reaped
 
 from torchyard.trainer.checkpoint import load_checkpoint_file
 
@@ -33,12 +34,8 @@ def start(command: list[str], cwd: Path, mark: str) -> subprocess.Popen:
 
 
 def finish(process: subprocess.Popen, timeout: float) -> str:
-    try:
+    with reaped([process]):
         return process.communicate(timeout=timeout)[0]
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def processes_marked(mark: str) -> list[str]:

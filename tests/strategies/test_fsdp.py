@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import fsdp_cases
 import pytest
 import torch
 from fsdp_cases import BATCH, EPOCHS, QUIET, SEED, TRAIN, VAL, Block, Net, checkpoint_folder, initial_state
+from processes import reaped
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -69,13 +69,8 @@ def job(tmp_path_factory):
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, fsdp_cases.__file__, str(out)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
-    try:
+    with reaped(procs):
         outputs = [proc.communicate(timeout=150)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
     assert all(proc.returncode == 0 for proc in procs), outputs[0][-3000:] + outputs[1][-3000:]
     return out, torch.load(out / "results.pt", weights_only=True)
 

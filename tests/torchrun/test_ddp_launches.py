@@ -7,7 +7,6 @@ test ends, whatever happened.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import ddp_script
 import pytest
 import torch
 import torch.nn.functional as F
+from processes import reaped
 
 from torchyard.trainer.environment import find_free_port
 
@@ -36,15 +36,10 @@ def launch(
     procs = [subprocess.Popen(command, env={**base, **env}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True) for command, env in commands]
     results = []
-    try:
+    with reaped(procs):
         for proc in procs:
             output, _ = proc.communicate(timeout=max(1.0, timeout - (time.time() - start)))
             results.append((proc.returncode, output, time.time()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
     return results
 
 
