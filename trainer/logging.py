@@ -67,6 +67,19 @@ class _Entry:
     epoch_key: str = ""
 
 
+def _accumulate(entry: _Entry, tensor: torch.Tensor, weight: float, reduce_fx: str) -> None:
+    """Add one step's value (of `weight` samples) to the entry's epoch aggregate."""
+    if entry.total is None:
+        entry.total = tensor * weight if reduce_fx == "mean" else tensor.clone()
+    elif reduce_fx == "mean":
+        entry.total = entry.total + tensor * weight
+    elif reduce_fx == "sum":
+        entry.total = entry.total + tensor
+    else:
+        entry.total = torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
+    entry.weight += weight
+
+
 class MetricCollector:
     """What `self.log` writes into during one stage (fit, validate, test) of a run."""
 
@@ -78,17 +91,21 @@ class MetricCollector:
         # Keyed by (stage, name): a validation in the middle of a training epoch aggregates and resets its own
         # values only, never the training epoch's running ones.
         self._entries: dict[tuple[str, str], _Entry] = {}
-        # This step's on_step values, filled by `log` itself so that taking them costs nothing per entry.
+        # This step's on_step values for the loggers (and an evaluation step's for the bar), filled by `log` itself
+        # so that taking them costs nothing per entry. A training step's reach the bar and callback_metrics at once.
         self._step_for_logger: dict[str, torch.Tensor] = {}
         self._step_for_bar: dict[str, torch.Tensor] = {}
-        # As in Lightning, monitors see every training step value, logger=False ones too, under its name and,
-        # when it is also aggregated per epoch, under `<name>_step`.
-        self._step_for_callbacks: dict[str, torch.Tensor] = {}
         self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
         # Set through `scope`: False in hooks that run once per epoch or stage (only per-epoch values there).
         self.in_step = True
         self.name_suffix = ""  # "/dataloader_idx_<i>" while one of several evaluation loaders runs (`for_loader`)
         self.stage = "train"
+        # Scalar tensors logged in training steps per step only (no epoch aggregate, no sync), by name, with the
+        # options of the call that checked them: a later call with the same options just stores its value. The
+        # checks cost a measurable share of a small model's step (benchmarks/overhead.py). `_step_only` is this
+        # dict inside training steps and None elsewhere (set by `scope`).
+        self._checked_step_only: dict[str, tuple[tuple[Any, ...], _Entry]] = {}
+        self._step_only: dict[str, tuple[tuple[Any, ...], _Entry]] | None = None
 
     def scope(self, stage: str, in_step: bool) -> _Scope:
         """`with collector.scope(stage, in_step):` what is logged inside counts for `stage`, per step or (in hooks
@@ -124,6 +141,25 @@ class MetricCollector:
             on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
             batch_size: int | None = None, add_dataloader_idx: bool = True) -> None:
         """Record one value; defaults follow Lightning (train steps: on_step; eval and epoch hooks: on_epoch)."""
+        options = (prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        step_only = self._step_only
+        if step_only is not None:  # in a training step
+            checked = step_only.get(name)
+            if (checked is not None and checked[0] == options and type(value) is torch.Tensor and value.ndim == 0
+                    and value.dtype not in _HALF_DTYPES):
+                entry, tensor = checked[1], value.data if value.requires_grad else value  # `.data`: see _log_checked
+                if entry.logger:
+                    self._step_for_logger[name] = tensor
+                rows = self.rows
+                if entry.prog_bar:
+                    rows.bar_values[name] = tensor
+                rows.callback_metrics[name] = tensor
+                return
+        self._log_checked(name, value, options, batch_size, add_dataloader_idx)
+
+    def _log_checked(self, name: str, value: Any, options: tuple[Any, ...], batch_size: int | None,
+                     add_dataloader_idx: bool) -> None:
+        prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist = options
         if reduce_fx not in REDUCE_FXS:
             raise MisconfigurationError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
         if self.name_suffix and add_dataloader_idx:
@@ -141,6 +177,10 @@ class MetricCollector:
             entry = self._add(self.stage, name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist),
                               self.name_suffix)
         entry.updated = True
+        if (self._step_only is not None and type(value) is torch.Tensor and entry.metric is None
+                and (entry.prog_bar, entry.logger, entry.on_step, entry.on_epoch, entry.sync_dist, on_step, on_epoch,
+                     sync_dist) == (prog_bar, logger, True, False, False, True, False, False)):
+            self._checked_step_only[name] = (options, entry)  # what follows stores it as `log`'s first lines do
         if type(value) is torch.Tensor and value.ndim == 0:  # the usual value, checked first: this runs every step
             # `.data` is `.detach()` (the same storage, no graph) without a trip through the dispatcher; it is only
             # read. A tensor outside autograd is kept as it is, as detach would share its storage anyway.
@@ -160,25 +200,22 @@ class MetricCollector:
             step_value = self._reduce(tensor, reduce_fx) if sync_dist and self.stage == "train" else tensor
             if entry.logger:
                 self._step_for_logger[entry.step_key] = step_value
-            if entry.prog_bar:
+            if self.stage == "train":
+                self._show_train_step_value(name, entry, step_value)
+            elif entry.prog_bar:  # evaluation step values are written and shown, never monitored
                 self._step_for_bar[entry.step_key] = step_value
-            if self.stage == "train":  # evaluation step values are written, never monitored
-                self._step_for_callbacks[name] = step_value
-                if entry.step_key != name:
-                    self._step_for_callbacks[entry.step_key] = step_value
         if on_epoch:
-            weight = float(batch_size or batch_size_of(self.batch))
-            if entry.total is None:
-                entry.total = tensor * weight if reduce_fx == "mean" else tensor.clone()
-            elif reduce_fx == "mean":
-                entry.total = entry.total + tensor * weight
-            elif reduce_fx == "sum":
-                entry.total = entry.total + tensor
-            else:
-                entry.total = (
-                    torch.maximum(entry.total, tensor) if reduce_fx == "max" else torch.minimum(entry.total, tensor)
-                )
-            entry.weight += weight
+            _accumulate(entry, tensor, float(batch_size or batch_size_of(self.batch)), reduce_fx)
+
+    def _show_train_step_value(self, name: str, entry: _Entry, value: torch.Tensor) -> None:
+        # As in Lightning, monitors see every training step value, logger=False ones too, under its name and,
+        # when it is also aggregated per epoch, under `<name>_step`: from the moment it is logged.
+        rows = self.rows
+        if entry.prog_bar:
+            rows.bar_values[entry.step_key] = value
+        rows.callback_metrics[name] = value
+        if entry.step_key != name:
+            rows.callback_metrics[entry.step_key] = value
 
     def _add(self, stage: str, name: str, entry: _Entry, loader_suffix: str = "") -> _Entry:
         both = entry.on_step and entry.on_epoch  # then the two values are told apart by a suffix
@@ -190,16 +227,15 @@ class MetricCollector:
         self._entries[stage, name] = entry
         return entry
 
-    def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(values for loggers, for the progress bar, for callbacks) logged in the current step, which they leave."""
-        for_logger, for_bar, for_callbacks = self._step_for_logger, self._step_for_bar, self._step_for_callbacks
+    def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(values for loggers, for the progress bar: evaluation steps only) logged in the current step, which they
+        leave."""
+        for_logger, for_bar = self._step_for_logger, self._step_for_bar
         if for_logger:
             self._step_for_logger = {}
         if for_bar:
             self._step_for_bar = {}
-        if for_callbacks:
-            self._step_for_callbacks = {}
-        return for_logger, for_bar, for_callbacks
+        return for_logger, for_bar
 
     def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Aggregate the current stage's on_epoch values (Metrics computed over the epoch, synced), then reset them:
@@ -254,6 +290,7 @@ class MetricCollector:
         }
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self._checked_step_only.clear()  # their entries may be replaced
         for name, saved in state.items():
             self._add(saved.get("stage", "train"), name, _Entry(**{key: saved[key] for key in self._SAVED_FIELDS}))
 
@@ -262,6 +299,7 @@ class MetricCollector:
             if entry.metric is not None:
                 entry.metric.reset()
         self._entries.clear()
+        self._checked_step_only.clear()
 
 
 class _Scope:
@@ -277,10 +315,13 @@ class _Scope:
         collector = self.collector
         self.saved = (collector.stage, collector.in_step)
         collector.stage, collector.in_step = self.stage, self.in_step
+        collector._step_only = collector._checked_step_only if (self.stage, self.in_step) == ("train", True) else None
         return collector
 
     def __exit__(self, *exc: object) -> None:
-        self.collector.stage, self.collector.in_step = self.saved
+        collector = self.collector
+        collector.stage, collector.in_step = self.saved
+        collector._step_only = collector._checked_step_only if self.saved == ("train", True) else None
 
 
 class _Recording:
@@ -325,13 +366,10 @@ class MetricRows:
         self.wrote_step_row = False
 
     def publish_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool = True) -> None:
-        """Make a step's (for loggers, for the bar, for callbacks) values visible; write them every n steps. With
-        `write=False` the row waits for the next call, so that it also holds what on_train_batch_end logs."""
-        for_logger, for_bar, for_callbacks = step_values
-        if for_bar:
-            self.bar_values.update(for_bar)
-        if for_callbacks:
-            self.callback_metrics.update(for_callbacks)
+        """Take a training step's (for loggers, for the bar) values into its row; write it every n steps. With
+        `write=False` the row waits for the next call, so that it also holds what on_train_batch_end logs. (The bar
+        and callback_metrics got them as they were logged.)"""
+        for_logger = step_values[0]
         if for_logger:
             pending = self.step_row
             self.step_row = {**pending, **for_logger} if pending else for_logger
@@ -349,7 +387,7 @@ class MetricRows:
         if step % self.log_every_n_steps == 0 and (step != self.last_logged_step or self.row_written_early):
             self.last_logged_step, self.wrote_step_row, self.unwritten_step_row = step, True, None
             self.write(row, step)
-        else:  # kept, not copied: this runs every step
+        elif not self.wrote_step_row:  # kept, not copied: this runs every step
             self.unwritten_step_row = (step, self.progress.epoch, row)
 
     def write_last_step_row(self) -> None:
@@ -363,7 +401,7 @@ class MetricRows:
     def publish_eval_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool) -> None:
         """What an evaluation step logged with on_step=True: to the bar, and (`write`) to the loggers, at the
         training step it was logged in."""
-        for_logger, for_bar, _ = step_values
+        for_logger, for_bar = step_values
         if for_bar:
             self.bar_values.update(for_bar)
         if for_logger and write:

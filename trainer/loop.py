@@ -135,23 +135,23 @@ class FitEpochs:
             if (0 < resumed_at < self.num_batches and self._validates_after(resumed_at)
                     and resumed_at != progress.validated_batches):
                 self._validate_mid_epoch()  # resumed from a checkpoint taken before this validation
-            finished = False
             # Locals: this loop runs every step, where each attribute lookup costs (benchmarks/overhead.py).
-            train_step, guard, step_limit, val_every, window = (self.train_step, self.guard, self.step_limit,
-                                                                self.val_every, self.window)
+            step_batch, guard, step_limit, val_every, window = (self.train_step.step_batch, self.guard,
+                                                                self.step_limit, self.val_every, self.window)
+            validates_mid_epoch = val_every < self.num_batches  # else only after the epoch's last batch
             for batch_idx, batch, is_last in self._batches():
                 state.is_last_batch = is_last
-                if train_step(batch, batch_idx, is_last):
+                if step_batch(batch, batch_idx, is_last):
                     return True  # on_train_batch_start returned -1: the epoch ends here and counts as done
-                finished = is_last and progress.epoch_batches == batch_idx + 1
                 # The last batch (or the step that reaches max_steps) validates after the loop, once.
                 steps_done = progress.global_step >= step_limit
-                if validates_after(batch_idx + 1, val_every, window) and not is_last and not steps_done:
+                if (validates_mid_epoch and validates_after(batch_idx + 1, val_every, window) and not is_last
+                        and not steps_done):
                     self._validate_mid_epoch()
                 guard.stop_if_signalled()  # SIGTERM on any rank: every rank saves last.ckpt and exits
                 # `progress.epoch` epochs are complete: stopping now must still leave min_epochs whole epochs.
                 if steps_done or state.should_stop and _stop_allowed(progress, config):
-                    return finished
+                    return is_last and progress.epoch_batches == batch_idx + 1  # whether the epoch is finished
         if progress.epoch_batches == 0:
             raise MisconfigurationError("the training dataloader yielded no batches in this epoch.")
         return True

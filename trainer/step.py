@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,10 +60,55 @@ class TrainStep:
         self.closure_optimizers = [self.automatic and takes_closure(optimizer) for optimizer in self.optimizers]
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
+        # The module's training_step where the fit uses nothing that the general path's branches are for (hooks,
+        # optimizer overrides, closures, clipping, step schedulers, several optimizers, an lr warm-up, a strategy
+        # or precision with its own backward or optimizer step): epochs without accumulation then run `plain_step`.
+        plain = trainer.strategy.plain_training_step() if self.automatic else None
+        general = (
+            self.on_train_batch_start, self.on_before_backward, self.on_after_backward, self.on_before_optimizer_step,
+            self.on_before_zero_grad, self.on_train_batch_end, self.module_optimizer_step, self.module_zero_grad,
+            self.module_clipping, self.clip_value, *self.step_schedulers,
+        )
+        one_optimizer = len(self.optimizers) == 1 and not self.closure_optimizers[0]
+        simple = one_optimizer and self.lr_scaler.warmup_end == 0 and all(part is None for part in general)
+        self.plain_training_step = plain if simple else None
+        self.previous_loss: torch.Tensor | None = None
+        # What the loop calls for each batch of the current epoch: this object, or its plain_step.
+        self.step_batch: Callable[[Any, int, bool], bool | None] = self
 
     def set_accumulation(self, micro_batches: int) -> None:
         """Step every `micro_batches` batches from now on (the epoch's accumulate_grad_batches)."""
         self.accumulate, self.loss_scale = micro_batches, 1.0 / micro_batches
+        plain = self.plain_training_step is not None and micro_batches == 1
+        self.step_batch = self.plain_step if plain else self
+
+    def plain_step(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
+        """What `self(batch, batch_idx, is_last)` does in an epoch that uses none of its branches (see
+        `plain_training_step`): the same calls in the same order, made here rather than through the strategy's and
+        the optimizer path's layers, which together cost a measurable share of a small model's step
+        (benchmarks/overhead.py)."""
+        progress = self.progress
+        batch = self.to_device(batch)
+        self.metrics.batch = batch
+        outputs = self.plain_training_step(batch, batch_idx)
+        if outputs is None:
+            self._skipped_batch(batch_idx, is_last)
+        else:
+            loss = outputs if type(outputs) is torch.Tensor else step_loss(outputs)
+            loss.backward()
+            # Kept until the next step's loss replaces it, as a plain loop's `loss` variable is: its graph's
+            # gradient accumulators then live on into the next forward, which reuses them rather than building
+            # and freeing new ones each step.
+            self.previous_loss = loss
+            if self.guard.allow_step(outputs, batch_idx, True):
+                optimizer = self.optimizers[0]
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                progress.global_step += 1
+                progress.batches_stepped += 1
+        progress.epoch_batches = batch_idx + 1
+        self.rows.publish_step(self.metrics.take_step_values())
+        return None
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
         """True when on_train_batch_start returned -1: Lightning's convention for skipping the rest of the epoch."""

@@ -280,6 +280,17 @@ class Strategy(ABC):
         )
 
     # ------------------------------------------------------------------ the steps (the per-step path)
+    def plain_training_step(self) -> Callable[[Any, int], Any] | None:
+        """The module's training_step, where this strategy's micro-step is nothing more than it followed by the
+        loss's own backward, and its optimizer step nothing more than `optimizer.step()` (one process, full
+        precision, none of them overridden): the training step may then make those calls itself. None elsewhere."""
+        cls = type(self)
+        if (not self._plain_backward or self.precision.mixed or cls.training_step is not Strategy.training_step
+                or cls.forward_backward is not Strategy.forward_backward
+                or cls.optimizer_step is not Strategy.optimizer_step):
+            return None
+        return self._bound_training_step
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Run the user's training_step under autocast (through the wrapper, if any)."""
         step = self._bound_training_step or bound_step(self.module, "training_step")
