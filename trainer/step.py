@@ -13,7 +13,7 @@ from torchyard.trainer.data import batch_mover
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import TrainModule, overridden
 from torchyard.trainer.optim import HookedClosure, HookOptimizer, needs_closure, step_scheduler, takes_closure
-from torchyard.trainer.strategies.base import step_loss
+from torchyard.trainer.strategies.base import HOST, step_loss
 
 if TYPE_CHECKING:
     from torchyard.trainer.faults import StepGuard
@@ -59,6 +59,8 @@ class TrainStep:
         # Optimizers whose step gets a closure (optim.takes_closure); one that needs it (LBFGS) is the only one.
         self.closure_optimizers = [self.automatic and takes_closure(optimizer) for optimizer in self.optimizers]
         self.to_device = batch_mover(trainer.strategy, trainer.module, trainer.datamodule, 0)
+        # Whether to_device can change a batch: not the strategy's own move on the host, which leaves it as it is.
+        self.moves_batches = self.to_device != trainer.strategy.batch_to_device or trainer.strategy.root_device != HOST
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
         # The module's training_step where the fit uses nothing that the general path's branches are for (hooks,
         # optimizer overrides, closures, clipping, step schedulers, several optimizers, an lr warm-up, a strategy
@@ -88,7 +90,8 @@ class TrainStep:
         the optimizer path's layers, which together cost a measurable share of a small model's step
         (benchmarks/overhead.py)."""
         progress = self.progress
-        batch = self.to_device(batch)
+        if self.moves_batches:
+            batch = self.to_device(batch)
         self.metrics.batch = batch
         outputs = self.plain_training_step(batch, batch_idx)
         if outputs is None:
