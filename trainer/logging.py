@@ -366,9 +366,9 @@ class MetricRows:
         self.wrote_step_row = False
 
     def publish_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool = True) -> None:
-        """Take a training step's (for loggers, for the bar) values into its row; write it every n steps. With
-        `write=False` the row waits for the next call, so that it also holds what on_train_batch_end logs. (The bar
-        and callback_metrics got them as they were logged.)"""
+        """Take a training step's values for the loggers (the first of `take_step_values`) into its row; write it
+        every n steps. With `write=False` the row waits for the next call, so that it also holds what
+        on_train_batch_end logs. (The bar and callback_metrics got the values as they were logged.)"""
         for_logger = step_values[0]
         if for_logger:
             pending = self.step_row
