@@ -202,6 +202,16 @@ def hand_parts(data: TensorDataset) -> tuple[MLP, torch.optim.Optimizer, DataLoa
     )
 
 
+def save_atomically(state: dict, path: Path) -> None:
+    """torch.save to a temporary file, fsynced, then renamed over `path`: the checkpoint is whole or absent."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
 def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
     begin = time.perf_counter()
     model, optimizer, loader = hand_parts(data)
@@ -223,11 +233,7 @@ def hand_written(data: TensorDataset, epochs: int, folder: Path) -> Timing:
                 if steps % LOG_EVERY == 0:
                     writer.writerow([steps, loss.item()])
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
-            with open(folder / "last.ckpt.tmp", "wb") as checkpoint:  # atomic and durable, like ours
-                torch.save(state, checkpoint)
-                checkpoint.flush()
-                os.fsync(checkpoint.fileno())
-            os.replace(folder / "last.ckpt.tmp", folder / "last.ckpt")
+            save_atomically(state, folder / "last.ckpt")  # atomic and durable, like ours
         stamps.end = now()
     return Timing(stamps.start, stamps.epochs, stamps.end, time.perf_counter() - begin)
 
