@@ -62,6 +62,9 @@ def ddp_worker(rank: int, port: int | None, init: dict, data: tuple, lr: float, 
     if rank == 0:
         torch.save(model.state_dict(), out)
     del ddp
+    # Both ranks tear down together: a rank that destroys its gloo group while the other still holds the pair
+    # open can abort at exit ("terminate called without an active exception"), seen once in CI.
+    dist.barrier()
     dist.destroy_process_group()
 
 
