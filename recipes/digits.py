@@ -50,14 +50,15 @@ class DigitsCNN(TrainModule):
         images, labels = batch
         logits = self(images)
         self.log("val/loss", F.cross_entropy(logits, labels), prog_bar=True)
-        self.val_acc(logits, labels)
+        # `update`, not a call: the epoch's accuracy is all that is logged, so no per-batch value is computed.
+        self.val_acc.update(logits, labels)
         self.log("val/acc", self.val_acc, prog_bar=True)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         images, labels = batch
         logits = self(images)
         self.log("test/loss", F.cross_entropy(logits, labels))
-        self.test_acc(logits, labels)
+        self.test_acc.update(logits, labels)
         self.log("test/acc", self.test_acc)
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

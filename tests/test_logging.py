@@ -495,8 +495,9 @@ def test_sync_dist_reduces_training_step_values_but_leaves_evaluation_step_value
     metrics.log("train_value", torch.tensor(1.0), sync_dist=True)
     metrics.stage = "validation"
     metrics.log("val_value", torch.tensor(1.0), on_step=True, on_epoch=True, sync_dist=True, batch_size=1)
-    for_logger, _ = metrics.take_step_values()
-    assert for_logger == {"train_value": torch.tensor(2.0), "val_value_step": torch.tensor(1.0)} and reduced == ["mean"]
+    for_logger, _ = metrics.take_eval_step_values()
+    assert metrics.rows.step_values == {"train_value": torch.tensor(2.0)} and reduced == ["mean"]
+    assert for_logger == {"val_value_step": torch.tensor(1.0)}
     assert metrics.epoch_values()[0] == {"val_value_epoch": torch.tensor(1.0)}
     assert reduced == ["mean", "sum"]  # the epoch value is reduced: (total, weight) summed over the ranks
 
@@ -555,7 +556,7 @@ def test_half_precision_step_values_are_float32_as_in_lightning():
     metrics.log("loss", torch.tensor(0.5, dtype=torch.bfloat16, requires_grad=True) * 1, prog_bar=True, on_epoch=True)
     metrics.log("fp16", torch.tensor(2.0, dtype=torch.float16))
     shown = metrics.rows.callback_metrics
-    assert {name: value.dtype for name, value in {**metrics.take_step_values()[0], **shown}.items()} == {
+    assert {name: value.dtype for name, value in {**metrics.rows.step_values, **shown}.items()} == {
         "loss_step": torch.float32, "loss": torch.float32, "fp16": torch.float32}
     assert float(shown["loss"]) == 0.5 and metrics.rows.bar_values["loss_step"].dtype == torch.float32
 

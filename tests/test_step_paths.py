@@ -212,3 +212,51 @@ def test_a_bad_value_logged_under_a_checked_name_is_still_refused(tmp_path, bad,
     trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), **QUIET)
     with pytest.raises(MisconfigurationError, match=message):
         trainer.fit(BadRepeat(bad), DataLoader(TensorDataset(torch.ones(3, 1)), batch_size=1))
+
+
+class LogsSometimes(TrainModule):
+    """Logs `every` each step; `even` (not to the logger), `shown` (to the bar) and `sometimes` on even steps only;
+    at step 4 `every` once more inside a recording (the pipeline's last stage records what it logs for other ranks),
+    where it must be recorded, not stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.records: list[tuple[str, float, tuple]] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).sum()
+        self.log("every", loss * 1)
+        if batch_idx % 2 == 0:
+            self.log("sometimes", loss * 2)
+            self.log("even", loss * 3, logger=False)
+            self.log("shown", loss * 4, prog_bar=True, rank_zero_only=True, sync_dist=True)
+        if batch_idx == 4:  # `every` takes self.log's shortcut by now, which must not bypass the recording
+            with self.trainer.metrics.recording(lambda value: float(value.detach())) as records:
+                self.log("every", loss * 5)
+            self.records = records
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_step_row_holds_only_what_that_step_logged_shortcut_or_not(tmp_path):
+    module = LogsSometimes()
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=1, **QUIET)
+    trainer.fit(module, DataLoader(TensorDataset(torch.arange(6.0).unsqueeze(1)), batch_size=1))
+    weight, bias = float(module.layer.weight), float(module.layer.bias)  # lr=0: each step's loss is x * w + b
+    loss = [x * weight + bias for x in range(6)]
+    rows = [{name: float(value) for name, value in row.items() if value and name not in ("epoch", "step")}
+            for row in csv_rows(trainer)]
+    assert rows == [
+        {"every": pytest.approx(loss[i]), **({"sometimes": pytest.approx(2 * loss[i]),
+                                              "shown": pytest.approx(4 * loss[i])} if i % 2 == 0 else {})}
+        for i in range(6)
+    ]
+    # The last values stay visible where each went: callbacks see all, the bar only `shown`.
+    assert {name: float(value) for name, value in trainer.callback_metrics.items()} == pytest.approx(
+        {"every": loss[5], "sometimes": 2 * loss[4], "even": 3 * loss[4], "shown": 4 * loss[4]})
+    assert trainer.progress_bar_metrics == pytest.approx({"shown": 4 * loss[4]})
+    assert module.records == [("every", pytest.approx(5 * loss[4]), (False, True, None, None, "mean", False, None,
+                                                                      True))]

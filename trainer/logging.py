@@ -91,10 +91,10 @@ class MetricCollector:
         # Keyed by (stage, name): a validation in the middle of a training epoch aggregates and resets its own
         # values only, never the training epoch's running ones.
         self._entries: dict[tuple[str, str], _Entry] = {}
-        # This step's on_step values for the loggers (and an evaluation step's for the bar), filled by `log` itself
-        # so that taking them costs nothing per entry. A training step's reach the bar and callback_metrics at once.
-        self._step_for_logger: dict[str, torch.Tensor] = {}
-        self._step_for_bar: dict[str, torch.Tensor] = {}
+        # An evaluation step's on_step values for the loggers and the bar, filled by `log` itself so that taking
+        # them costs nothing per entry. A training step's go to `rows` at once (MetricRows.step_values).
+        self._eval_step_for_logger: dict[str, torch.Tensor] = {}
+        self._eval_step_for_bar: dict[str, torch.Tensor] = {}
         self.batch: Any = None  # the current batch; its size weighs on_epoch means logged without batch_size
         # Set through `scope`: False in hooks that run once per epoch or stage (only per-epoch values there).
         self.in_step = True
@@ -130,7 +130,7 @@ class MetricCollector:
 
     def publish_eval_step(self, write: bool) -> None:
         """Publish what an evaluation step logged with on_step=True (MetricRows.publish_eval_step)."""
-        self.rows.publish_eval_step(self.take_step_values(), write)
+        self.rows.publish_eval_step(self.take_eval_step_values(), write)
 
     def replay(self, records: list[tuple[str, Any, tuple[Any, ...]]]) -> None:
         """Log what another rank recorded (`recording`), as if logged here."""
@@ -148,9 +148,9 @@ class MetricCollector:
             if (checked is not None and checked[0] == options and type(value) is torch.Tensor and value.ndim == 0
                     and value.dtype not in _HALF_DTYPES):
                 entry, tensor = checked[1], value.data if value.requires_grad else value  # `.data`: see _log_checked
-                if entry.logger:
-                    self._step_for_logger[name] = tensor
                 rows = self.rows
+                if entry.logger:
+                    rows.step_values[name] = tensor
                 if entry.prog_bar:
                     rows.bar_values[name] = tensor
                 rows.callback_metrics[name] = tensor
@@ -198,12 +198,13 @@ class MetricCollector:
             # Evaluation ranks may run one batch more or fewer than each other (every sample counts once), so an
             # evaluation step's per-batch value is this rank's own: a reduction there could wait forever.
             step_value = self._reduce(tensor, reduce_fx) if sync_dist and self.stage == "train" else tensor
-            if entry.logger:
-                self._step_for_logger[entry.step_key] = step_value
             if self.stage == "train":
                 self._show_train_step_value(name, entry, step_value)
-            elif entry.prog_bar:  # evaluation step values are written and shown, never monitored
-                self._step_for_bar[entry.step_key] = step_value
+            else:  # evaluation step values are written and shown, never monitored
+                if entry.logger:
+                    self._eval_step_for_logger[entry.step_key] = step_value
+                if entry.prog_bar:
+                    self._eval_step_for_bar[entry.step_key] = step_value
         if on_epoch:
             _accumulate(entry, tensor, float(batch_size or batch_size_of(self.batch)), reduce_fx)
 
@@ -211,6 +212,8 @@ class MetricCollector:
         # As in Lightning, monitors see every training step value, logger=False ones too, under its name and,
         # when it is also aggregated per epoch, under `<name>_step`: from the moment it is logged.
         rows = self.rows
+        if entry.logger:
+            rows.step_values[entry.step_key] = value
         if entry.prog_bar:
             rows.bar_values[entry.step_key] = value
         rows.callback_metrics[name] = value
@@ -227,14 +230,13 @@ class MetricCollector:
         self._entries[stage, name] = entry
         return entry
 
-    def take_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(values for loggers, for the progress bar: evaluation steps only) logged in the current step, which they
-        leave."""
-        for_logger, for_bar = self._step_for_logger, self._step_for_bar
+    def take_eval_step_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(values for loggers, for the progress bar) logged in the current evaluation step, which they leave."""
+        for_logger, for_bar = self._eval_step_for_logger, self._eval_step_for_bar
         if for_logger:
-            self._step_for_logger = {}
+            self._eval_step_for_logger = {}
         if for_bar:
-            self._step_for_bar = {}
+            self._eval_step_for_bar = {}
         return for_logger, for_bar
 
     def epoch_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -357,7 +359,9 @@ class MetricRows:
         # What prog_bar=True logged, kept as tensors: a float per step would be a device sync per step.
         self.bar_values: dict[str, torch.Tensor] = {}
         self.last_logged_step = -1
-        self.step_row: dict[str, torch.Tensor] | None = None  # a step's values waiting for on_train_batch_end
+        # The current training step's values for the loggers, filled by `log` as they are logged (on_train_batch_end
+        # included) and emptied when the step is published.
+        self.step_values: dict[str, torch.Tensor] = {}
         self.row_written_early = False
         self.epoch_row: dict[str, torch.Tensor] | None = None  # an epoch's values waiting for on_train_epoch_end
         # The newest step row that was not due (step, epoch, values): a fit shorter than log_every_n_steps writes it
@@ -365,30 +369,23 @@ class MetricRows:
         self.unwritten_step_row: tuple[int, int, dict[str, torch.Tensor]] | None = None
         self.wrote_step_row = False
 
-    def publish_step(self, step_values: tuple[dict[str, torch.Tensor], ...], write: bool = True) -> None:
-        """Take a training step's values for the loggers (the first of `take_step_values`) into its row; write it
-        every n steps. With `write=False` the row waits for the next call, so that it also holds what
-        on_train_batch_end logs. (The bar and callback_metrics got the values as they were logged.)"""
-        for_logger = step_values[0]
-        if for_logger:
-            pending = self.step_row
-            self.step_row = {**pending, **for_logger} if pending else for_logger
-        if write:
-            if self.step_row:
-                self.write_step_row()
-            self.row_written_early = False
+    def publish_step(self) -> None:
+        """The training step is over (its on_train_batch_end too): write its values as a row if the step is due."""
+        if self.step_values:
+            self.write_step_row()
+        self.row_written_early = False
 
     def write_step_row(self) -> None:
-        """Write the pending step row (there is one), if this step is due for logging."""
-        row, self.step_row = self.step_row, None
-        step = self.progress.batches_stepped
+        """Write the step's values (there are some), if this step is due for logging; they leave the step."""
+        values, step = self.step_values, self.progress.batches_stepped
         # One row per step: later micro-batches of an accumulated step share it and are not written, unless a
         # checkpoint wrote the step's row early (flush) and on_train_batch_end logged more after it.
         if step % self.log_every_n_steps == 0 and (step != self.last_logged_step or self.row_written_early):
             self.last_logged_step, self.wrote_step_row, self.unwritten_step_row = step, True, None
-            self.write(row, step)
-        elif not self.wrote_step_row:  # kept, not copied: this runs every step
-            self.unwritten_step_row = (step, self.progress.epoch, row)
+            self.write(values, step)
+        elif not self.wrote_step_row:
+            self.unwritten_step_row = (step, self.progress.epoch, dict(values))
+        values.clear()
 
     def write_last_step_row(self) -> None:
         """At the end of a fit that wrote no step row (shorter than log_every_n_steps): its last step's values."""
@@ -429,7 +426,7 @@ class MetricRows:
 
     def flush(self) -> None:
         """Write the rows still waiting for their hooks (a checkpoint saved in those hooks counts them)."""
-        if self.step_row:
+        if self.step_values:
             self.write_step_row()
             self.row_written_early = True
         if self.epoch_row:

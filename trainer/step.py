@@ -110,7 +110,7 @@ class TrainStep:
                 progress.global_step += 1
                 progress.batches_stepped += 1
         progress.epoch_batches = batch_idx + 1
-        self.rows.publish_step(self.metrics.take_step_values())
+        self.rows.publish_step()
         return None
 
     def __call__(self, batch: Any, batch_idx: int, is_last: bool) -> bool | None:
@@ -140,12 +140,9 @@ class TrainStep:
                 if self.guard.allow_step(outputs, batch_idx, stepping):
                     outputs = self.optimizer_step(batch, batch_idx, outputs)
         progress.epoch_batches = batch_idx + 1
-        if self.on_train_batch_end is None:
-            self.rows.publish_step(self.metrics.take_step_values())
-        else:  # the hooks see this step's values, and the step's row also holds what they log
-            self.rows.publish_step(self.metrics.take_step_values(), write=False)
+        if self.on_train_batch_end is not None:  # the hooks see this step's values; its row also holds what they log
             self.on_train_batch_end(batch_end_outputs(outputs), batch, batch_idx)
-            self.rows.publish_step(self.metrics.take_step_values())
+        self.rows.publish_step()
 
     def _skipped_batch(self, batch_idx: int, is_last: bool) -> None:
         """training_step returned None: no backward and no optimizer step for this batch (gradients accumulated
