@@ -147,13 +147,8 @@ class MetricCollector:
             checked = step_only.get(name)
             if (checked is not None and checked[0] == options and type(value) is torch.Tensor and value.ndim == 0
                     and value.dtype not in _HALF_DTYPES):
-                entry, tensor = checked[1], value.data if value.requires_grad else value  # `.data`: see _log_checked
-                rows = self.rows
-                if entry.logger:
-                    rows.step_values[name] = tensor
-                if entry.prog_bar:
-                    rows.bar_values[name] = tensor
-                rows.callback_metrics[name] = tensor
+                # `.data`: see _log_checked. A step-only entry's step_key is `name`.
+                self._show_train_step_value(name, checked[1], value.data if value.requires_grad else value)
                 return
         self._log_checked(name, value, options, batch_size, add_dataloader_idx)
 
