@@ -245,7 +245,7 @@ def test_a_step_row_holds_only_what_that_step_logged_shortcut_or_not(tmp_path):
     module = LogsSometimes()
     trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), log_every_n_steps=1, **QUIET)
     trainer.fit(module, DataLoader(TensorDataset(torch.arange(6.0).unsqueeze(1)), batch_size=1))
-    weight, bias = float(module.layer.weight), float(module.layer.bias)  # lr=0: each step's loss is x * w + b
+    weight, bias = module.layer.weight.item(), module.layer.bias.item()  # lr=0: each step's loss is x * w + b
     loss = [x * weight + bias for x in range(6)]
     rows = [{name: float(value) for name, value in row.items() if value and name not in ("epoch", "step")}
             for row in csv_rows(trainer)]

@@ -14,6 +14,7 @@ import torch
 from torchyard.trainer.data import batch_size_of
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.loggers import Logger
+from torchyard.trainer.precision import HALF_DTYPES
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
     from torchyard.trainer.loop import Progress
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
-# A set: `in` a tuple compares dtypes with ==, slower per step
-_HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))
+#: MetricCollector.checked_step_logs: by name, the options a value was logged with and the dicts it goes to.
+CheckedStepLogs = dict[str, tuple[tuple[Any, ...], tuple[dict[str, torch.Tensor], ...]]]
 
 
 def _is_metric(value: Any) -> bool:
@@ -100,12 +101,13 @@ class MetricCollector:
         self.in_step = True
         self.name_suffix = ""  # "/dataloader_idx_<i>" while one of several evaluation loaders runs (`for_loader`)
         self.stage = "train"
-        # Scalar tensors logged in training steps per step only (no epoch aggregate, no sync), by name, with the
-        # options of the call that checked them: a later call with the same options just stores its value. The
-        # checks cost a measurable share of a small model's step (benchmarks/overhead.py). `_step_only` is this
-        # dict inside training steps and None elsewhere (set by `scope`).
-        self._checked_step_only: dict[str, tuple[tuple[Any, ...], _Entry]] = {}
-        self._step_only: dict[str, tuple[tuple[Any, ...], _Entry]] | None = None
+        # Scalar tensors logged in training steps per step only (no epoch aggregate, no sync), by name: the options
+        # of the call that checked them, and the dicts such a value goes to. TrainModule.log stores a later value
+        # logged with the same options itself: the checks, and the calls down to here, cost a measurable share of
+        # a small model's step (benchmarks/overhead.py). `checked_step_logs` is this dict inside training steps and
+        # None elsewhere (set by `scope`, and by `recording`, whose records must see every call).
+        self._checked_step_logs: CheckedStepLogs = {}
+        self.checked_step_logs: CheckedStepLogs | None = None
 
     def scope(self, stage: str, in_step: bool) -> _Scope:
         """`with collector.scope(stage, in_step):` what is logged inside counts for `stage`, per step or (in hooks
@@ -140,21 +142,9 @@ class MetricCollector:
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
             batch_size: int | None = None, add_dataloader_idx: bool = True) -> None:
-        """Record one value; defaults follow Lightning (train steps: on_step; eval and epoch hooks: on_epoch)."""
-        options = (prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
-        step_only = self._step_only
-        if step_only is not None:  # in a training step
-            checked = step_only.get(name)
-            if (checked is not None and checked[0] == options and type(value) is torch.Tensor and value.ndim == 0
-                    and value.dtype not in _HALF_DTYPES):
-                # `.data`: see _log_checked. A step-only entry's step_key is `name`.
-                self._show_train_step_value(name, checked[1], value.data if value.requires_grad else value)
-                return
-        self._log_checked(name, value, options, batch_size, add_dataloader_idx)
-
-    def _log_checked(self, name: str, value: Any, options: tuple[Any, ...], batch_size: int | None,
-                     add_dataloader_idx: bool) -> None:
-        prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist = options
+        """Record one value; defaults follow Lightning (train steps: on_step; eval and epoch hooks: on_epoch).
+        TrainModule.log stores a value under a name in `checked_step_logs` itself, without calling this."""
+        options = (prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)  # before the defaults fill them in
         if reduce_fx not in REDUCE_FXS:
             raise MisconfigurationError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
         if self.name_suffix and add_dataloader_idx:
@@ -172,10 +162,14 @@ class MetricCollector:
             entry = self._add(self.stage, name, _Entry(prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist),
                               self.name_suffix)
         entry.updated = True
-        if (self._step_only is not None and type(value) is torch.Tensor and entry.metric is None
+        if (self.checked_step_logs is not None and type(value) is torch.Tensor and entry.metric is None
                 and (entry.prog_bar, entry.logger, entry.on_step, entry.on_epoch, entry.sync_dist, on_step, on_epoch,
                      sync_dist) == (prog_bar, logger, True, False, False, True, False, False)):
-            self._checked_step_only[name] = (options, entry)  # what follows stores it as `log`'s first lines do
+            # Where what follows stores such a value (_show_train_step_value; a step-only entry's step_key is `name`).
+            rows = self.rows
+            stores = (rows.step_values,) if logger else ()
+            stores += ((rows.bar_values,) if prog_bar else ()) + (rows.callback_metrics,)
+            self._checked_step_logs[name] = (options, stores)
         if type(value) is torch.Tensor and value.ndim == 0:  # the usual value, checked first: this runs every step
             # `.data` is `.detach()` (the same storage, no graph) without a trip through the dispatcher; it is only
             # read. A tensor outside autograd is kept as it is, as detach would share its storage anyway.
@@ -186,7 +180,7 @@ class MetricCollector:
             tensor = batch_value(value).detach() if on_step else None
         else:
             tensor = _to_tensor(name, value)
-        if tensor is not None and tensor.dtype in _HALF_DTYPES:
+        if tensor is not None and tensor.dtype in HALF_DTYPES:
             # As in Lightning, values are float32 whatever the precision: an epoch's sum needs its range
             tensor = tensor.float()
         if on_step:
@@ -287,7 +281,7 @@ class MetricCollector:
         }
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        self._checked_step_only.clear()  # their entries may be replaced
+        self._checked_step_logs.clear()  # their entries may be replaced
         for name, saved in state.items():
             self._add(saved.get("stage", "train"), name, _Entry(**{key: saved[key] for key in self._SAVED_FIELDS}))
 
@@ -296,7 +290,7 @@ class MetricCollector:
             if entry.metric is not None:
                 entry.metric.reset()
         self._entries.clear()
-        self._checked_step_only.clear()
+        self._checked_step_logs.clear()
 
 
 class _Scope:
@@ -312,32 +306,37 @@ class _Scope:
         collector = self.collector
         self.saved = (collector.stage, collector.in_step)
         collector.stage, collector.in_step = self.stage, self.in_step
-        collector._step_only = collector._checked_step_only if (self.stage, self.in_step) == ("train", True) else None
+        in_train_step = (self.stage, self.in_step) == ("train", True)
+        collector.checked_step_logs = collector._checked_step_logs if in_train_step else None
         return collector
 
     def __exit__(self, *exc: object) -> None:
         collector = self.collector
         collector.stage, collector.in_step = self.saved
-        collector._step_only = collector._checked_step_only if self.saved == ("train", True) else None
+        collector.checked_step_logs = collector._checked_step_logs if self.saved == ("train", True) else None
 
 
 class _Recording:
     """MetricCollector.recording. The collector's `log` is shadowed by an instance attribute while it lasts, so that
-    the usual path of `log`, which runs every step, checks for nothing."""
+    the usual path of `log`, which runs every step, checks for nothing; TrainModule.log's shortcut is off."""
 
     def __init__(self, collector: MetricCollector, convert: Callable[[Any], Any]) -> None:
         self.collector, self.convert = collector, convert
         self.records: list[tuple[str, Any, tuple[Any, ...]]] = []
+        self.checked_step_logs = collector.checked_step_logs
 
     def _record(self, name: str, value: Any, *options: Any) -> None:
         self.records.append((name, self.convert(value), options))
 
     def __enter__(self) -> list[tuple[str, Any, tuple[Any, ...]]]:
-        self.collector.log = self._record  # type: ignore[method-assign]
+        collector = self.collector
+        self.checked_step_logs, collector.checked_step_logs = collector.checked_step_logs, None
+        collector.log = self._record  # type: ignore[method-assign]
         return self.records
 
     def __exit__(self, *exc: object) -> None:
         del self.collector.log
+        self.collector.checked_step_logs = self.checked_step_logs
 
 
 _EPOCH_SUFFIX = re.compile(r"_epoch(?=$|/dataloader_idx_\d+$)")

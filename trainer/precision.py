@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
 
 NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
+#: Logged values of these dtypes are kept as float32, as in Lightning: an epoch's sum needs the range. A set, which
+#: `value.dtype in` checks by hash (a tuple would compare dtypes with ==, slower per step).
+HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))
 
 
 def validate_precision(precision: str, device_type: str) -> str:

@@ -84,10 +84,12 @@ class Trainer(TrainerProperties):
         self.manual_optimizers: list[ManualOptimizer] = []  # what self.optimizers() gives under manual optimization
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.lr_scaler = LRScaler("none", 1, 0)
-        # Each owned by one object, which the properties below show: what the loops change, what is logged
-        # (a collector per stage), the hooks of the stage, and the run's folder where no logger numbers it.
+        # Each owned by one object, which the properties below show: what the loops change, the hooks of the stage,
+        # and the run's folder where no logger numbers it.
         self._loop = LoopState()
-        self._metrics = MetricCollector(self.strategy.reduce)
+        #: The stage's collector of `self.log` values (one per stage), which also writes its rows. An attribute, not
+        #: a property: TrainModule.log reads it on every call.
+        self.metrics = MetricCollector(self.strategy.reduce)
         self._hooks = Hooks(self, self.callbacks, None)
         self._run_folder = RunFolder(self.config.default_root_dir, self.config.name)
         self._callbacks_configured_by: TrainModule | None = None  # the module whose configure_callbacks was applied
@@ -220,10 +222,10 @@ class Trainer(TrainerProperties):
         module._trainer = self
         if datamodule is not None:
             datamodule.trainer = self
-        last_logged_step = self._metrics.rows.last_logged_step  # a later fit goes on at the same step
-        self._metrics = MetricCollector(self.strategy.reduce, self.loggers, self.progress,
+        last_logged_step = self.metrics.rows.last_logged_step  # a later fit goes on at the same step
+        self.metrics = MetricCollector(self.strategy.reduce, self.loggers, self.progress,
                                         self.config.log_every_n_steps, writes=self.is_global_zero)
-        self._metrics.rows.last_logged_step = last_logged_step
+        self.metrics.rows.last_logged_step = last_logged_step
 
     def _prepare_stage(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
                        loaders: tuple[Any, ...]) -> list[DataLoader]:
@@ -247,7 +249,7 @@ class Trainer(TrainerProperties):
             restore_checkpoint(self, checkpoint, full=stage == "fit")
             # The checkpoint's step was already written (if due) before it was saved; a micro-batch
             # that follows it without stepping must not write a second row for the same step.
-            self._metrics.rows.last_logged_step = self.progress.batches_stepped
+            self.metrics.rows.last_logged_step = self.progress.batches_stepped
         write_run_files(self)
         return prepared
 
@@ -300,7 +302,7 @@ class Trainer(TrainerProperties):
             anomaly = torch.autograd.set_detect_anomaly(True) if config.detect_anomaly else contextlib.nullcontext()
             with faults.StepGuard(self) as guard, anomaly:  # SIGTERM and non-finite losses, settled at optimizer steps
                 fit_loop(self, loaders[0], loaders[1:], guard)
-            with self._metrics.scope("train", in_step=False):  # as the fit loop's last hooks: it logs per epoch
+            with self.metrics.scope("train", in_step=False):  # as the fit loop's last hooks: it logs per epoch
                 self._hooks.call("on_fit_end")
             return None
         if stage == "predict":
@@ -318,7 +320,7 @@ class Trainer(TrainerProperties):
         self.module = module
         self._loop.progress = Progress(**state["progress"])
         self._loop.data_wait = state["data_wait"]
-        rows = self._metrics.rows
+        rows = self.metrics.rows
         rows.callback_metrics, rows.logged_metrics = state["callback_metrics"], state["logged_metrics"]
         rows.bar_values = {name: torch.tensor(value) for name, value in state["progress_bar_metrics"].items()}
         for logger, logger_state in zip(self.loggers, state["loggers"]):
@@ -338,7 +340,7 @@ class Trainer(TrainerProperties):
                 + "call it inside the run (a callback's on_train_end), or save the weights: "
                   "torch.save(module.state_dict(), path)."
             )
-        self._metrics.rows.flush()  # saved in on_train_batch_end or on_train_epoch_end: their rows come first
+        self.metrics.rows.flush()  # saved in on_train_batch_end or on_train_epoch_end: their rows come first
         if self.is_global_zero:
             for logger in self.loggers:
                 logger.save()  # the file must hold every row the checkpoint counts

@@ -13,7 +13,6 @@ from torchyard.callbacks.profilers import Profiler
 from torchyard.trainer.batches import batch_limit
 from torchyard.trainer.hooks import Hooks
 from torchyard.trainer.loggers import Logger
-from torchyard.trainer.logging import MetricCollector
 from torchyard.trainer.loop_state import LoopState
 
 if TYPE_CHECKING:
@@ -59,22 +58,17 @@ class TrainerProperties:
         return self._loop
 
     @property
-    def metrics(self) -> MetricCollector:
-        """The stage's collector of `self.log` values, which also writes its rows."""
-        return self._metrics
-
-    @property
     def hooks(self) -> Hooks:
         """The stage's hook dispatch (callbacks, then the module)."""
         return self._hooks
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
-        return self._metrics.rows.callback_metrics
+        return self.metrics.rows.callback_metrics
 
     @property
     def logged_metrics(self) -> dict[str, float]:
-        return self._metrics.rows.logged_metrics
+        return self.metrics.rows.logged_metrics
 
     @property
     def current_epoch(self) -> int:
@@ -83,12 +77,12 @@ class TrainerProperties:
     @property
     def training(self) -> bool:
         """In fit's training loop (not its validations), as Lightning's `trainer.training`."""
-        return self.stage == "fit" and self._metrics.stage == "train"
+        return self.stage == "fit" and self.metrics.stage == "train"
 
     @property
     def validating(self) -> bool:
         """In a validation loop, of fit or of `validate` (not the sanity check, as in Lightning)."""
-        return self._metrics.stage == "validation" and not self.sanity_checking
+        return self.metrics.stage == "validation" and not self.sanity_checking
 
     @property
     def testing(self) -> bool:
@@ -158,7 +152,7 @@ class TrainerProperties:
     def progress_bar_metrics(self) -> dict[str, float]:
         """What was logged with prog_bar=True, last values, as floats (`loss_step` and `loss_epoch` for a value
         logged per step and per epoch, as in Lightning)."""
-        return {name: float(value) for name, value in dict(self._metrics.rows.bar_values).items()}
+        return {name: float(value) for name, value in dict(self.metrics.rows.bar_values).items()}
 
     @property
     def logger(self) -> Logger | None:
