@@ -323,7 +323,7 @@ class _Recording:
     def __init__(self, collector: MetricCollector, convert: Callable[[Any], Any]) -> None:
         self.collector, self.convert = collector, convert
         self.records: list[tuple[str, Any, tuple[Any, ...]]] = []
-        self.checked_step_logs = collector.checked_step_logs
+        self.checked_step_logs: CheckedStepLogs | None = None  # the collector's, taken away while the recording lasts
 
     def _record(self, name: str, value: Any, *options: Any) -> None:
         self.records.append((name, self.convert(value), options))
@@ -348,6 +348,8 @@ class MetricRows:
 
     def __init__(self, loggers: list[Logger], progress: Progress | None, log_every_n_steps: int, writes: bool) -> None:
         self.loggers, self.progress, self.log_every_n_steps, self.writes = loggers, progress, log_every_n_steps, writes
+        # These dicts are filled and emptied, never replaced: the collector's checked names hold them, and a
+        # callback may keep trainer.callback_metrics.
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, float] = {}
         # What prog_bar=True logged, kept as tensors: a float per step would be a device sync per step.

@@ -224,7 +224,7 @@ class Trainer(TrainerProperties):
             datamodule.trainer = self
         last_logged_step = self.metrics.rows.last_logged_step  # a later fit goes on at the same step
         self.metrics = MetricCollector(self.strategy.reduce, self.loggers, self.progress,
-                                        self.config.log_every_n_steps, writes=self.is_global_zero)
+                                       self.config.log_every_n_steps, writes=self.is_global_zero)
         self.metrics.rows.last_logged_step = last_logged_step
 
     def _prepare_stage(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
@@ -320,9 +320,13 @@ class Trainer(TrainerProperties):
         self.module = module
         self._loop.progress = Progress(**state["progress"])
         self._loop.data_wait = state["data_wait"]
-        rows = self.metrics.rows
-        rows.callback_metrics, rows.logged_metrics = state["callback_metrics"], state["logged_metrics"]
-        rows.bar_values = {name: torch.tensor(value) for name, value in state["progress_bar_metrics"].items()}
+        rows = self.metrics.rows  # its dicts are filled, never replaced (see MetricRows)
+        for values, handed_back in ((rows.callback_metrics, state["callback_metrics"]),
+                                    (rows.logged_metrics, state["logged_metrics"]),
+                                    (rows.bar_values, {name: torch.tensor(value)
+                                                       for name, value in state["progress_bar_metrics"].items()})):
+            values.clear()
+            values.update(handed_back)
         for logger, logger_state in zip(self.loggers, state["loggers"]):
             logger.load_state_dict(logger_state)
         self._run_folder.version = state["version"]
