@@ -114,6 +114,10 @@ class MetricCollector:
         that run once per epoch or stage) per epoch; the previous stage and mode come back on leaving."""
         return _Scope(self, stage, in_step)
 
+    def _set_scope(self, stage: str, in_step: bool) -> None:
+        self.stage, self.in_step = stage, in_step
+        self.checked_step_logs = self._checked_step_logs if (stage, in_step) == ("train", True) else None
+
     def for_loader(self, index: int | None) -> None:
         """Name what is logged from now on after evaluation loader `index` (None: one loader, names as they are)."""
         self.name_suffix = f"/dataloader_idx_{index}" if index is not None else ""
@@ -305,15 +309,11 @@ class _Scope:
     def __enter__(self) -> MetricCollector:
         collector = self.collector
         self.saved = (collector.stage, collector.in_step)
-        collector.stage, collector.in_step = self.stage, self.in_step
-        in_train_step = (self.stage, self.in_step) == ("train", True)
-        collector.checked_step_logs = collector._checked_step_logs if in_train_step else None
+        collector._set_scope(self.stage, self.in_step)
         return collector
 
     def __exit__(self, *exc: object) -> None:
-        collector = self.collector
-        collector.stage, collector.in_step = self.saved
-        collector.checked_step_logs = collector._checked_step_logs if self.saved == ("train", True) else None
+        self.collector._set_scope(*self.saved)
 
 
 class _Recording:
