@@ -262,6 +262,7 @@ class InterleavedHandSteps(StepStamps):
         self.hand: list[tuple[float, float]] = []
         self.trainer: list[tuple[float, float]] = []
         self.previous: tuple[float, float] | None = None
+        self.device: torch.device | None = None  # where the hand-written steps move their batches (overhead_cuda.py)
 
     def step(self, batch_idx: int) -> None:
         stamp = now()
@@ -278,6 +279,8 @@ class InterleavedHandSteps(StepStamps):
                 self.batches = iter(self.loader)
                 batch = next(self.batches)
             x, y = batch
+            if self.device is not None:
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             loss = F.cross_entropy(self.model(x), y)
             loss.backward()
             self.optimizer.step()

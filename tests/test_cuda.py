@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.checkpoint import load_checkpoint_file
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.faults import NonFiniteLossError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -184,3 +185,50 @@ def test_a_gpu_run_that_waits_for_data_is_told_how_many_loader_workers_to_use(tm
     with pytest.warns(UserWarning, match=r"training waited for its dataloader \d+% of the time .* with num_workers=0; "
                                          r"num_workers=\d+ would load batches while the GPU steps"):
         trainer.fit(Net(lr=0.005), DataLoader(SlowSamples(), batch_size=4))  # lr=0.05 diverges on batches of 4
+
+
+# --------------------------------------------------------------------------- the non-finite loss check on a GPU
+
+
+class BadLossNet(Net):
+    """Net whose loss is NaN at the batches in `bad`; `as_dict` returns {'loss': ...} (the general step path)."""
+
+    def __init__(self, bad: set[int], as_dict: bool = False) -> None:
+        super().__init__()
+        self.bad, self.as_dict = bad, as_dict
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx in self.bad:
+            loss = loss * float("nan")
+        return {"loss": loss} if self.as_dict else loss
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_nan_loss_on_the_gpu_stops_before_its_optimizer_step(as_dict, accumulate, tmp_path):
+    module = BadLossNet({2}, as_dict)
+    trainer = Trainer(accelerator="cuda", max_epochs=1, accumulate_grad_batches=accumulate,
+                      default_root_dir=str(tmp_path), **QUIET)
+    steps = 2 // accumulate
+    with pytest.raises(NonFiniteLossError,
+                       match=rf"the training loss was nan at global step {steps} \(epoch 0, batch 2\)"):
+        trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
+    # The steps before the bad batch were taken (the window of batches 2 and 3 with accumulation), none after.
+    assert trainer.global_step == steps
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_nonfinite_loss_skip_on_the_gpu_skips_the_step_of_the_bad_batch_only(tmp_path):
+    module = BadLossNet({1, 4})
+    trainer = Trainer(accelerator="cuda", max_epochs=1, nonfinite_loss="skip", default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(module, DataLoader(data(), batch_size=16))
+    assert trainer.global_step == 4 and trainer.callback_metrics["train/skipped_nonfinite"] == 2
+    # The same loop by hand, stepping on batches 0, 2, 3 and 5 only.
+    model, (x, y) = Net().net.cuda(), data().tensors
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for start in (0, 32, 48, 80):
+        F.mse_loss(model(x[start:start + 16].cuda()), y[start:start + 16].cuda()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_close(module.net, model)
