@@ -191,7 +191,8 @@ def test_a_gpu_run_that_waits_for_data_is_told_how_many_loader_workers_to_use(tm
 
 
 class BadLossNet(Net):
-    """Net whose loss is NaN at the batches in `bad`; `as_dict` returns {'loss': ...} (the general step path)."""
+    """Net whose loss is NaN at the batches in `bad`; `as_dict` returns {'loss': ...}, which the loss check reads
+    through its general branch rather than its shortcut for a lone loss tensor."""
 
     def __init__(self, bad: set[int], as_dict: bool = False) -> None:
         super().__init__()
