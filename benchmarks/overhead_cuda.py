@@ -9,7 +9,7 @@ Interleaved blocks (the default; overhead.py's "Interleaved blocks" method): in 
 training_step runs `--block` hand-written steps (their own model on the GPU, pinned loader and optimizer)
 after every `--block` Trainer steps. This small MLP's step is bound by the CPU that feeds and launches it, and
 a shared host's speed drifts by several percent from one second to the next, which whole runs a second apart
-cannot resolve (their ratios spread 0.87-1.20 on a lent H200). Each side's steady step is the median interval
+cannot resolve (their ratios spread 0.87-1.21 on a lent H200). Each side's steady step is the median interval
 between its consecutive step starts, on the wall clock (so a host that waits for the GPU pays for it), the
 first after a switch left out. An A/A run, a hand-written loop in the Trainer's place, gives the method's bias.
 
@@ -17,7 +17,7 @@ Whole runs (`--whole-runs`): each run is one epoch timed from its first batch to
 torch.cuda.synchronize(); a hand-written run comes before and after every Trainer run, and each Trainer
 run's ratio is to the mean of its two neighbours.
 
-    python benchmarks/overhead_cuda.py [--runs 3] [--steps 400] [--epochs 2] [--block 20] [--whole-runs]
+    python benchmarks/overhead_cuda.py [--runs 3] [--steps 300] [--epochs 2] [--block 20] [--whole-runs]
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def whole_runs(data: TensorDataset, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each variant")
-    parser.add_argument("--steps", type=int, default=400, help="steps per epoch")
+    parser.add_argument("--steps", type=int, default=300, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per interleaved run")
     parser.add_argument("--block", type=int, default=20)
     parser.add_argument("--whole-runs", action="store_true", help="alternate whole runs instead")
