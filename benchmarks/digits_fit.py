@@ -1,6 +1,6 @@
 """The digits CNN fit with validation each epoch: Trainer (on its defaults) against a hand-written PyTorch loop.
 
-    python benchmarks/digits_fit.py [--rounds 10] [--epochs 5] [--threads 1] [--interleaved]
+    python benchmarks/digits_fit.py [--rounds 10] [--epochs 5] [--threads 1] [--interleaved | --processes]
 
 Both sides train recipes/digits.yaml's model and data (DigitsCNN, DigitsData: batch 64, lr 0.002; the module built
 right after torch.manual_seed(0)) for the same epochs, on the same loaders: DigitsData's train_dataloader()
@@ -46,6 +46,15 @@ second hand-written loop in the Trainer's place, timed the same way), printed, a
 bar's line thread is idle between its lines; in a terminal, rich's live bar redraws from its own thread during
 both sides' epochs, which the interleaving would split between them: read this mode through a pipe.
 
+Fresh processes (`--processes`): each side's whole fit runs in a process of its own, as a user runs it (the
+issue that asked for this benchmark measured this way): the hand-written loop, the Trainer on its defaults, and
+the Trainer with tune_malloc=False, the order rotating from round to round. Only here does the Trainer's
+malloc setting (trainer/host_memory.py) meet a hand-written loop on glibc's defaults: in the modes above both
+sides share one process, so the hand-written epochs run under the setting too once the Trainer has set it, and
+their ratio is the framework's own work. Each fit's training phase per epoch is printed, and each Trainer
+side's ratios to the hand-written fit of the same round (median, min-max). The spread is wide: a fit takes
+about a second, and how often glibc's defaults fault a step's memory in again depends on where its blocks land.
+
 The two sides must train the same weights: the framework keeps the loader's own shuffle, drawn from the
 global RNG as each epoch's iterator starts, and the validation loader's iterator draws its seed from it
 after every epoch on both sides (the Trainer's sanity check gives back what it drew). The benchmark
@@ -60,7 +69,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -179,11 +190,12 @@ def hand_written(epochs: int, folder: Path) -> Run:
     return Run(start, end, time.perf_counter() - begin, epochs, hand.model.state_dict(), hand.val_acc)
 
 
-def with_trainer(epochs: int, folder: Path) -> Run:
+def with_trainer(epochs: int, folder: Path, tune_malloc: bool = True) -> Run:
     begin = time.perf_counter()
     torch.manual_seed(0)
     module = TimedDigitsCNN(lr=LR)
-    trainer = Trainer(max_epochs=epochs, accelerator="cpu", log_every_n_steps=LOG_EVERY, default_root_dir=str(folder))
+    trainer = Trainer(max_epochs=epochs, accelerator="cpu", log_every_n_steps=LOG_EVERY, default_root_dir=str(folder),
+                      tune_malloc=tune_malloc)
     trainer.fit(module, datamodule=DigitsData(batch_size=BATCH))
     whole = time.perf_counter() - begin
     val_acc = float(trainer.callback_metrics["val/acc"])
@@ -356,6 +368,43 @@ def interleaved_rounds(rounds: int, epochs: int) -> None:
     report_interleaved(trainer_runs, aa_runs)
 
 
+# The sides of --processes, each a whole fit in a fresh process.
+PROCESS_SIDES = {
+    "hand-written": hand_written,
+    "Trainer": with_trainer,
+    "Trainer, tune_malloc=False": lambda epochs, folder: with_trainer(epochs, folder, tune_malloc=False),
+}
+
+
+def one_side(side: str, epochs: int) -> None:
+    """`--side`: one side's fit in this fresh process; its training phase per epoch, as JSON on the last line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = PROCESS_SIDES[side](epochs, Path(tmp))
+    print(json.dumps({"wall": run.per_epoch(0), "cpu": run.per_epoch(1), "val_acc": run.val_acc}))
+
+
+def process_rounds(rounds: int, epochs: int, threads: int) -> None:
+    """Each side's fit in a fresh process, the order rotating from round to round (see "Fresh processes")."""
+    sides = list(PROCESS_SIDES)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+    for round_index in range(rounds):
+        for name in sides[round_index % len(sides):] + sides[:round_index % len(sides)]:
+            done = subprocess.run([sys.executable, __file__, "--side", name, "--epochs", str(epochs), "--threads",
+                                   str(threads)], capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"\n{header(epochs)}; {rounds} rounds of fresh processes, one per side, the order rotating")
+    hand = runs["hand-written"]
+    for clock in CLOCKS:
+        print(f"  {clock}: training phase per epoch (validation and checkpoint included)")
+        for name in sides:
+            print(f"    {name:<28} {spread([run[clock] for run in runs[name]], 1e3, 1)} ms")
+            if name != "hand-written":
+                ratios = [run[clock] / own[clock] for run, own in zip(runs[name], hand)]
+                print(f"      / hand-written, the rounds' ratios: median {statistics.median(ratios):.3f} "
+                      f"(min-max {min(ratios):.3f}-{max(ratios):.3f})")
+    print("  val/acc, last round: " + ", ".join(f"{name} {runs[name][-1]['val_acc']:.4f}" for name in sides))
+
+
 def header(epochs: int) -> str:
     bar = "a live bar (stdout is a terminal)" if sys.stdout.isatty() else "a line per epoch (stdout is no terminal)"
     return (f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); digits CNN, batch {BATCH}, "
@@ -367,12 +416,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--interleaved", action="store_true",
-                        help="instead of whole fits, interleave hand-written epochs with the Trainer's (and an A/A "
-                             "run)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--interleaved", action="store_true",
+                      help="instead of whole fits, interleave hand-written epochs with the Trainer's (and an A/A run)")
+    mode.add_argument("--processes", action="store_true",
+                      help="each side's whole fit in a fresh process of its own, as a user runs it")
+    mode.add_argument("--side", choices=list(PROCESS_SIDES), help=argparse.SUPPRESS)  # one fit of --processes
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    (interleaved_rounds if args.interleaved else separate_rounds)(args.rounds, args.epochs)
+    if args.side is not None:
+        one_side(args.side, args.epochs)
+    elif args.processes:
+        process_rounds(args.rounds, args.epochs, args.threads)
+    else:
+        (interleaved_rounds if args.interleaved else separate_rounds)(args.rounds, args.epochs)
 
 
 if __name__ == "__main__":

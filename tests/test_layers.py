@@ -20,11 +20,11 @@ LAYERS: dict[str, int] = {
     # 0: the exception types and message helpers every file raises with
     f"{T}.errors": 0,
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
-    #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, and where
-    #    the running script called us (under its main guard or not)
+    #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, where
+    #    the running script called us (under its main guard or not), and glibc's malloc settings
     f"{T}.environment": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
     f"{T}.batches": 1, f"{C}.base": 1, f"{T}.combined": 1, f"{T}.hparams": 1, f"{T}.script_guard": 1,
-    f"{T}.samplers": 1,
+    f"{T}.samplers": 1, f"{T}.host_memory": 1,
     # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class;
     #    the forkserver that the workers of a spawned job fork from (it asks where the script called us)
     f"{T}.loggers": 2, f"{T}.warm_start": 2,

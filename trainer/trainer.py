@@ -19,6 +19,7 @@ from torchyard.trainer.config import TrainerConfig, make_config
 from torchyard.trainer.data import DataModule, build_loaders, stage_loaders
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.hooks import Hooks
+from torchyard.trainer.host_memory import keep_freed_memory, release_freed_memory
 from torchyard.trainer.loggers import Logger, print_results_table
 from torchyard.trainer.logging import MetricCollector
 from torchyard.trainer.loop import evaluation_loop, fit_loop, predict_loop
@@ -219,6 +220,8 @@ class Trainer(TrainerProperties):
         if self.config.seed is not None:
             seed_everything(self.config.seed)
         set_determinism(self.config.deterministic, self.config.benchmark)
+        if self.config.tune_malloc:
+            keep_freed_memory()
         module._trainer = self
         if datamodule is not None:
             datamodule.trainer = self
@@ -293,6 +296,7 @@ class Trainer(TrainerProperties):
                 logger.finalize()
             self._run_folder.release()
         self.strategy.teardown()
+        release_freed_memory()
 
     def _run_stage(self, stage: str, loaders: list[DataLoader]) -> Any:
         config = self.config
