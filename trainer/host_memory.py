@@ -4,7 +4,7 @@ By default glibc hands the free memory at the top of its heap back to the OS onc
 there (128 KiB at first, raised as large blocks are freed), and serves blocks above a second threshold with
 fresh mmaps. A training step frees its activations and gradients and asks for the same sizes again at once, so
 on the CPU each step faults the pages it just gave back in again, zeroed by the kernel: recipes/digits.yaml's CNN
-took 10 to 22 thousand page faults an epoch, and its epochs ran 8-20% faster without them
+took 10 to 22 thousand page faults an epoch, and its epochs ran 8-22% faster without them
 (benchmarks/digits_fit.py --processes). Fixed thresholds keep those pages. Torch's own CPU launcher
 (torch.backends.xeon.run_cpu) gets the same by preloading jemalloc or tcmalloc with their decay turned off.
 
