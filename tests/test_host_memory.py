@@ -49,10 +49,13 @@ def resident_mib():
 """
 
 
-def _run(body: str, **env: str) -> dict:
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in host_memory._MALLOC_VARIABLES and key not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
-    environment.update(OMP_NUM_THREADS="1", **env)
+# Where a user chooses malloc's settings; the child processes here start without any of them.
+_ALLOCATOR_VARIABLES = (*host_memory._MALLOC_VARIABLES, "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def _run(body: str) -> dict:
+    environment = {key: value for key, value in os.environ.items() if key not in _ALLOCATOR_VARIABLES}
+    environment["OMP_NUM_THREADS"] = "1"
     script = _STEPS + textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -114,7 +117,7 @@ def test_a_fit_sets_malloc_unless_told_not_to(tune_malloc):
     ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "jemalloc preloaded"),
 ])
 def test_a_users_own_allocator_settings_are_left_alone(monkeypatch, variable, value, reason):
-    for name in (*host_memory._MALLOC_VARIABLES, "GLIBC_TUNABLES", "LD_PRELOAD"):
+    for name in _ALLOCATOR_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, value)
     # Returns before any mallopt call, so this process's malloc stays as it was.
