@@ -18,7 +18,9 @@ lies between two stamps. One more at the start and one at the end of the trainin
   steady   = median interval between consecutive step starts inside an epoch; the median, not the mean,
              so that the moments another process holds the CPU do not count;
   epoch    = median over epochs of the extra time at the epoch boundary (epoch-end validation is off;
-             this is checkpointing, epoch metrics, the next loader iterator), spread over its steps;
+             this is checkpointing, epoch metrics, the next loader iterator), up to the start of the next
+             epoch's second step (the Trainer's first step waits there for its checkpoint's rename), spread
+             over its steps;
   per step = steady + epoch / steps per epoch.
 Each timestamp reads two clocks: wall time (perf_counter) and this thread's CPU time (thread_time;
 with one intra-op thread all the work runs on it). On a quiet machine they agree; on a shared one the
@@ -126,12 +128,15 @@ class Timing:
         return statistics.median(b[clock] - a[clock] for epoch in self.epochs for a, b in zip(epoch, epoch[1:]))
 
     def epoch_extra(self, clock: int) -> float:
-        """Median time an epoch boundary adds beyond the steady step it contains: from the previous epoch's last
-        step start (the training start, for the first epoch) to this epoch's first; the last epoch's also holds
-        its last step and the end of training."""
-        steady, extras = self.steady_step(clock), [self.epochs[0][0][clock] - self.start[clock]]
+        """Median time an epoch boundary adds beyond the steady steps it contains: from the previous epoch's last
+        step start (the training start, for the first epoch) to the start of this epoch's second step, so that
+        what the boundary leaves to the next step (the Trainer's wait for its checkpoint's rename) counts too; the
+        last epoch's also holds its last step and the end of training."""
+        steady = self.steady_step(clock)
+        extras = [self.epochs[0][1][clock] - self.start[clock] - steady]
         for previous, epoch in zip(self.epochs, self.epochs[1:]):
-            extras.append(epoch[0][clock] - previous[-1][clock] - steady)  # a step, the epoch's end, the next's start
+            # A step, the epoch's end, the next's start and its first step.
+            extras.append(epoch[1][clock] - previous[-1][clock] - 2 * steady)
         extras[-1] += self.end[clock] - self.epochs[-1][-1][clock] - steady
         return statistics.median(extras)
 
@@ -166,7 +171,16 @@ class Stamped(TrainModule):
         self.stamps.start = now()
 
     def on_train_end(self) -> None:
+        finish_checkpoints(self)
         self.stamps.end = now()
+
+
+def finish_checkpoints(module: TrainModule) -> None:
+    """Wait for the checkpoint work the Trainer finishes off its training thread (its fsyncs and renames), which
+    counts in its time: the last epoch's has no next step to wait for it. Commits before it have none."""
+    finish = getattr(module.trainer.strategy, "finish_checkpoints", None)
+    if finish is not None:
+        finish()
 
 
 class MLP(Stamped):

@@ -16,6 +16,8 @@ from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import parse_duration
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluation_record import SCORED, clear_training_ended, mark_training_ended, read_record
+from torchyard.trainer.loggers import Logger
+from torchyard.trainer.module import overridden
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
@@ -211,11 +213,13 @@ class ModelCheckpoint(Callback):
             if written is not None:  # the same state: a second name for that file, not a second write
                 trainer.strategy.link_checkpoint(written, self.last_model_path)
             else:
-                trainer.save_checkpoint(self.last_model_path, weights_only=self.save_weights_only)
+                trainer.save_checkpoint(self.last_model_path, weights_only=self.save_weights_only, wait=False)
             if previous_last and previous_last != self.last_model_path:
                 trainer.strategy.remove_checkpoint(previous_last)
         if trainer.is_global_zero:  # as in Lightning: a logger may upload what was saved (MLFlowLogger's log_model)
             for logger in trainer.loggers:
+                if overridden(logger, "after_save_checkpoint", Logger) is not None:
+                    trainer.strategy.finish_checkpoints()  # the files it may read are synced and named
                 logger.after_save_checkpoint(self)
         if missing is not None:  # raised once the run's state is in last.ckpt (with save_last): no work is lost
             saved = f" The run so far is saved in {self.last_model_path}." if self.save_last else ""
@@ -278,7 +282,8 @@ class ModelCheckpoint(Callback):
         if self.monitor is not None:
             best = float(self.best_model_score)
             self._say(trainer, values, f"{self.monitor!r} reached {score:.5g} (best {best:.5g}), saving {path}")
-        trainer.save_checkpoint(path, weights_only=self.save_weights_only)  # the bookkeeping above is part of it
+        # The bookkeeping above is part of it.
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only, wait=False)
         for old in evicted:
             trainer.strategy.remove_checkpoint(old)
         return path
@@ -287,7 +292,7 @@ class ModelCheckpoint(Callback):
         """Save a checkpoint for the evaluator to score; it is ranked once its score is recorded."""
         path = self._free_path(trainer, self.filename, values, reusable="")
         self.awaiting_score[path] = int(values["step"])
-        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only, wait=False)
         self.settle_scores(trainer)
         return path
 

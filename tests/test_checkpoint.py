@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer import checkpoint as checkpoint_io
 from torchyard.trainer.checkpoint import load_checkpoint_file
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 
@@ -464,6 +467,92 @@ def test_failed_write_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert torch.equal(load_checkpoint_file(path)["state_dict"]["net.0.weight"], saved_weight)
+
+
+class NamingCheckedSGD(torch.optim.SGD):
+    """SGD that notes, as each step begins, whether the newest checkpoint ModelCheckpoint saved is under its name."""
+
+    steps_with_closure = False  # as torch's SGD: the Trainer's plain step may step it
+
+    def __init__(self, module: TrainModule) -> None:
+        super().__init__(module.parameters(), lr=0.01)
+        self.module, self.named = module, []
+
+    def step(self, closure=None):
+        newest = self.module.trainer.checkpoint_callback.last_model_path
+        if newest:
+            self.named.append(Path(newest).exists())
+        return super().step(closure)
+
+
+class NamingCheckedRegressor(DropoutRegressor):
+    def configure_optimizers(self):
+        self.sgd = NamingCheckedSGD(self)
+        return self.sgd
+
+
+class ManuallyOptimized(NamingCheckedRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = F.mse_loss(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+class HookedStep(Callback):
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        pass  # overridden: the step takes its general path rather than its plain one
+
+
+@pytest.mark.parametrize(("module_class", "callbacks"),
+                         [(NamingCheckedRegressor, []), (NamingCheckedRegressor, [HookedStep()]),
+                          (ManuallyOptimized, [])],
+                         ids=["plain-step", "general-step", "manual-optimization"])
+def test_a_checkpoint_is_synced_off_the_training_thread_and_named_before_the_next_optimizer_step(tmp_path,
+                                                                                                 monkeypatch,
+                                                                                                 module_class,
+                                                                                                 callbacks):
+    synced_on = []
+    real_sync = checkpoint_io._sync_into_place
+
+    def sync_into_place(file, path):
+        synced_on.append((Path(path).name, threading.current_thread().name))
+        time.sleep(0.2)  # a slow disk: the next step must still not pass a checkpoint that is not under its name
+        real_sync(file, path)
+
+    monkeypatch.setattr(checkpoint_io, "_sync_into_place", sync_into_place)
+    module = module_class()
+    Trainer(default_root_dir=str(tmp_path), max_epochs=2, callbacks=callbacks, logger=False,
+            **{**QUIET, "enable_checkpointing": True}).fit(module, DataLoader(regression_data(), batch_size=8))
+    assert synced_on == [("epoch=0-step=5.ckpt", "checkpoint-files"), ("epoch=1-step=10.ckpt", "checkpoint-files")]
+    assert module.sgd.named == [True] * 5  # epoch 1's steps, each after epoch 0's file and its last.ckpt landed
+    folder = Path(module.trainer.checkpoint_callback.dirpath)
+    assert sorted(path.name for path in folder.glob("*.ckpt*")) == ["epoch=1-step=10.ckpt", "last.ckpt"]
+    assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 10
+
+
+def test_a_checkpoint_that_cannot_be_named_stops_the_fit_and_the_one_before_it_stays(tmp_path, monkeypatch):
+    real_replace = os.replace
+
+    def replace(source, destination):
+        if str(destination).endswith("step=10.ckpt"):
+            raise OSError(28, "No space left on device")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(CheckpointError, match=r"saving .*epoch=1-step=10\.ckpt failed: .*No space left on device; "
+                                              r"the checkpoint before it is intact"):
+        fit(tmp_path, enable_checkpointing=True, max_epochs=2)
+    # Neither last.ckpt's new name nor the removal of epoch 0's file, queued behind the failed save, happened.
+    folder = tmp_path / "default/version_0/checkpoints"
+    assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=5.ckpt", "last.ckpt"]
+    assert load_checkpoint_file(folder / "last.ckpt")["global_step"] == 5
 
 
 class Planted:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from torchyard.callbacks import ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.checkpoint import load_checkpoint_file
 from torchyard.trainer.errors import MisconfigurationError
@@ -207,17 +208,50 @@ class BadLossNet(Net):
 
 @pytest.mark.parametrize("as_dict", [False, True])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_nan_loss_on_the_gpu_stops_before_its_optimizer_step(as_dict, accumulate, tmp_path):
+def test_a_nan_loss_on_the_gpu_stops_the_fit_naming_its_step_and_no_checkpoint_holds_it(as_dict, accumulate,
+                                                                                         tmp_path):
     module = BadLossNet({2}, as_dict)
-    trainer = Trainer(accelerator="cuda", max_epochs=1, accumulate_grad_batches=accumulate,
+    checkpoints = ModelCheckpoint(every_n_train_steps=1, save_last=True, save_top_k=0)
+    trainer = Trainer(accelerator="cuda", max_epochs=1, accumulate_grad_batches=accumulate, callbacks=[checkpoints],
                       default_root_dir=str(tmp_path), **QUIET)
     steps = 2 // accumulate
     with pytest.raises(NonFiniteLossError,
                        match=rf"the training loss was nan at global step {steps} \(epoch 0, batch 2\)"):
         trainer.fit(module, DataLoader(data(), batch_size=16, shuffle=True))
-    # The steps before the bad batch were taken (the window of batches 2 and 3 with accumulation), none after.
-    assert trainer.global_step == steps
-    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    # Read at the latest as the checkpoint after its step was built, which was then not written.
+    last = load_checkpoint_file(checkpoints.last_model_path)
+    assert last["global_step"] == steps
+    assert all(bool(torch.isfinite(value).all()) for value in last["state_dict"].values())
+
+
+class SleepyNet(Net):
+    """Net whose steps queue 50 ms or so of GPU work before their loss; notes, as each step begins, whether the
+    previous one's GPU work was done (the host then waited for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued: torch.cuda.Event | None = None
+        self.previous_done: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        if self.queued is not None:
+            self.previous_done.append(self.queued.query())
+        torch.cuda._sleep(100_000_000)  # GPU clock cycles
+        loss = super().training_step(batch, batch_idx)
+        self.queued = torch.cuda.Event()
+        self.queued.record()
+        return loss
+
+
+@pytest.mark.parametrize(("nonfinite_loss", "waits"), [("error", False), ("skip", True)])
+def test_the_loss_check_lets_the_host_run_ahead_of_the_gpu_unless_it_must_decide_each_step(nonfinite_loss, waits,
+                                                                                             tmp_path):
+    module = SleepyNet()
+    trainer = Trainer(accelerator="cuda", max_epochs=1, nonfinite_loss=nonfinite_loss, enable_checkpointing=False,
+                      default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(module, DataLoader(data(), batch_size=16))
+    # Past the first steps' one-off set-up (loading kernels; a first read of the losses if it took 0.5 s).
+    assert module.previous_done[2:] == [waits] * 3
 
 
 def test_nonfinite_loss_skip_on_the_gpu_skips_the_step_of_the_bad_batch_only(tmp_path):

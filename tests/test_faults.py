@@ -211,8 +211,8 @@ def test_the_sigterm_checkpoints_name_is_made_durable_before_the_process_exits(t
     events = []
     real_save = Trainer.save_checkpoint
 
-    def save_checkpoint(self, path, weights_only=False):
-        real_save(self, path, weights_only)
+    def save_checkpoint(self, path, weights_only=False, **kwargs):
+        real_save(self, path, weights_only, **kwargs)
         events.append(("saved", Path(path)))
 
     class SignalAtStep3(Callback):
@@ -286,6 +286,51 @@ def test_a_nan_loss_stops_before_its_step_and_the_last_checkpoint_stays_finite(t
     # The checkpoint is the state of a run that simply stopped before the poisoned batch.
     stopped = fit_poisoned(tmp_path / "stopped", max_steps=bad_batch)
     assert_same_weights(last["state_dict"], stopped.state_dict())
+
+
+@pytest.fixture
+def reads_wait(monkeypatch):
+    """Reading a loss waits for the device, as on a GPU (its test is in test_cuda.py): the guard keeps the losses
+    and reads them together, every READ_LOSSES_EVERY_S (set it with the returned function)."""
+    monkeypatch.setattr(faults, "reads_wait_for", lambda device: True)
+    return lambda seconds: monkeypatch.setattr(faults, "READ_LOSSES_EVERY_S", seconds)
+
+
+def test_a_nan_loss_read_late_still_leaves_no_checkpoint_after_it(tmp_path, reads_wait):
+    reads_wait(3600.0)  # read only where a checkpoint is built: here after every step
+    bad_batch = next(i for i, batch in enumerate(epoch_batches(0)) if POISONED in batch)
+    with pytest.raises(NonFiniteLossError, match=rf"loss was nan at global step {bad_batch} \(epoch 0, batch "
+                                                 rf"{bad_batch}\); .* so 1 optimizer step\(s\) from that one on"):
+        fit_poisoned(tmp_path)
+    # The checkpoint after the bad step was never written: the last one is a run that stopped before it.
+    last = load_checkpoint_file(run_folder(tmp_path) / "checkpoints" / "last.ckpt")
+    assert last["loops"]["progress"]["global_step"] == bad_batch
+    assert_same_weights(last["state_dict"], fit_poisoned(tmp_path / "stopped", max_steps=bad_batch).state_dict())
+
+
+def test_a_nan_loss_read_late_stops_the_fit_at_its_epoch_end_naming_its_step(tmp_path, reads_wait):
+    reads_wait(3600.0)
+    torch.manual_seed(0)
+    trainer = Trainer(seed=5, max_epochs=2, default_root_dir=str(tmp_path), enable_checkpointing=False, logger=False,
+                      **QUIET)
+    bad_batch = next(i for i, batch in enumerate(epoch_batches(0)) if POISONED in batch)
+    later = 8 - bad_batch  # the epoch's 8 steps from the bad one on
+    with pytest.raises(NonFiniteLossError, match=rf"at global step {bad_batch} .* so {later} optimizer step"):
+        trainer.fit(Linear(), DataLoader(poisoned_data(), batch_size=4, shuffle=True))
+    assert trainer.global_step == 8 and trainer.current_epoch == 0
+
+
+def test_a_loss_read_as_soon_as_it_is_due_still_stops_before_its_step(tmp_path, reads_wait):
+    reads_wait(0.0)  # due at every step: read before that step's optimizer step, as on a CPU
+    torch.manual_seed(0)
+    module = Linear()
+    trainer = Trainer(seed=5, max_epochs=2, default_root_dir=str(tmp_path), enable_checkpointing=False, logger=False,
+                      **QUIET)
+    bad_batch = next(i for i, batch in enumerate(epoch_batches(0)) if POISONED in batch)
+    with pytest.raises(NonFiniteLossError, match=rf"at global step {bad_batch} .* training stopped before that"):
+        trainer.fit(module, DataLoader(poisoned_data(), batch_size=4, shuffle=True))
+    assert trainer.global_step == bad_batch
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
 def test_skip_mode_drops_nan_steps_like_a_hand_written_loop_and_counts_them(tmp_path):

@@ -126,9 +126,9 @@ class TrainerConfig:
     )
     nonfinite_loss: str = _opt(
         "error",
-        "A NaN/inf training loss: 'error' stops before its optimizer step, naming step and batch; "
-        "'skip' skips that step and counts it in train/skipped_nonfinite; 'ignore' checks nothing "
-        "(saves one host sync per step on GPU).",
+        "A NaN/inf training loss: 'error' stops the fit, naming step and batch, before its optimizer step on "
+        "a CPU (on a GPU it reads the losses every 0.5 s, never into a checkpoint); 'skip' skips that step "
+        "(one host sync per step on a GPU) and counts it in train/skipped_nonfinite; 'ignore' checks nothing.",
     )
     inference_mode: bool = _opt(True, "Evaluate under torch.inference_mode (else no_grad).")
     tune_malloc: bool = _opt(

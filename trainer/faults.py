@@ -25,6 +25,7 @@ SIGINT_EXIT_CODE = 130  # 128 + SIGINT
 AGREE_EVERY_S = 0.2  # how often ranks stepping together exchange their SIGTERM flags (docs/fault-tolerance.md)
 AGREE_AHEAD_S = 0.1  # how far ahead, in time at the current pace, the step the ranks stop at is set
 MAX_AGREE_AHEAD = 128  # ... in step boundaries, at most: bounds the delay when steps slow down
+READ_LOSSES_EVERY_S = 0.5  # on an accelerator, how often nonfinite_loss='error' reads the losses it kept
 
 
 class Terminated(SystemExit):
@@ -59,6 +60,13 @@ class StepGuard:
         strategy = trainer.strategy
         self._agree = strategy.world_size > 1 and strategy.steps_in_lockstep  # ranks must act at the same step
         self._local_check = self.mode == "error" and not self._agree  # a bad loss raises here, nothing to agree
+        # On an accelerator, reading a loss waits for the kernels queued before it, so the host stops running
+        # ahead of the device (and loading the next batch while it computes) at every step. 'error' need not
+        # decide before the step, so there it keeps the losses (global_step, epoch, batch_idx, loss) and reads
+        # them together every READ_LOSSES_EVERY_S, at each epoch end and before any checkpoint is built.
+        self._unread: list[tuple[int, int, int, torch.Tensor]] | None = (
+            [] if self.mode == "error" and reads_wait_for(strategy.root_device) else None)
+        self._read_by = 0.0  # time.monotonic() at which the kept losses are read next
         self._agreement: SignalAgreement | None = None  # the ranks' SIGTERM exchange, off the training thread
         self._previous_handlers: dict[int, Any] = {}
         self.received = signal.SIGTERM  # the signal this rank got first (a rank told by the others: SIGTERM)
@@ -74,6 +82,9 @@ class StepGuard:
             }
         if self._agree and self.mode != "skip":
             self._agreement = SignalAgreement(lambda: self.signalled, strategy.timeout)
+        if self._unread is not None:
+            self._read_by = time.monotonic() + READ_LOSSES_EVERY_S
+            self.trainer.loop_state.read_losses = self.read_losses
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -81,6 +92,7 @@ class StepGuard:
             # Every rank ends its fit, or stops at the agreed step: their exchanges end together.
             self._agreement.close(together=exc_info[0] is None or isinstance(exc_info[1], Terminated))
             self._agreement = None
+        self.trainer.loop_state.read_losses = None
         for sig, previous in self._previous_handlers.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous_handlers = {}
@@ -104,7 +116,12 @@ class StepGuard:
         True when the optimizer should step now; False on an accumulating micro-batch or a skipped step.
         """
         if stepping and self._local_check and type(output) is torch.Tensor and not self._losses:
-            # The usual step (one process, no accumulation window, a loss tensor): the check is one host read.
+            # The usual step (one process, no accumulation window, a loss tensor): the check is one host read,
+            # or none at this step on an accelerator.
+            if self._unread is not None:
+                self._keep_unread(batch_idx, output)
+                self._stop = self.signalled
+                return True
             value = output.item()
             if math.isfinite(value):
                 self._stop = self.signalled
@@ -118,7 +135,12 @@ class StepGuard:
         if not stepping:
             return False
         losses, self._losses = self._losses, []
-        local = _first_nonfinite(losses) if losses else None
+        local = None
+        if self._unread is not None:
+            for loss_batch_idx, loss in losses:
+                self._keep_unread(loss_batch_idx, loss)
+        elif losses:
+            local = _first_nonfinite(losses)
         if local is not None and self.mode == "error":
             # No agreement needed: the other ranks cannot save without this one, and the job stops.
             raise NonFiniteLossError(self._describe(*local))
@@ -132,6 +154,32 @@ class StepGuard:
             optimizer.zero_grad(set_to_none=True)
         self.trainer.module.log("train/skipped_nonfinite", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
         return False
+
+    def _keep_unread(self, batch_idx: int, loss: torch.Tensor) -> None:
+        progress, unread = self.trainer.progress, self._unread
+        assert unread is not None
+        unread.append((progress.global_step, progress.epoch, batch_idx, loss.data))  # `.data`: no graph kept
+        if time.monotonic() >= self._read_by:
+            self.read_losses()
+
+    def read_losses(self) -> None:
+        """Read the losses kept unread (nonfinite_loss='error' on an accelerator), one host read when all are
+        finite; raise NonFiniteLossError at the first that is NaN or inf."""
+        unread = self._unread
+        if not unread:
+            return
+        self._unread, self._read_by = [], time.monotonic() + READ_LOSSES_EVERY_S
+        finite = torch.isfinite(torch.cat([loss.reshape(-1) for *_, loss in unread]))
+        if bool(finite.all()):
+            return
+        first = finite.tolist().index(False)
+        for global_step, epoch, batch_idx, loss in unread:
+            if first < loss.numel():
+                value, taken = loss.reshape(-1)[first].item(), self.trainer.progress.global_step - global_step
+                # Read before its own step (the read fell due at it): that step was not taken.
+                raise NonFiniteLossError(self._describe_late(global_step, epoch, batch_idx, value, taken) if taken
+                                         else self._describe(batch_idx, value))
+            first -= loss.numel()
 
     def check_reevaluated(self, loss: torch.Tensor, batch_idx: int) -> None:
         """A loss that an optimizer's closure evaluated again (LBFGS, SAM) inside its step: one that is NaN or inf
@@ -179,6 +227,19 @@ class StepGuard:
             f"batch {batch_idx}); training stopped before that optimizer step, so the weights and the last "
             "checkpoint are finite. Lower the learning rate, clip gradients or check that batch, or set "
             "nonfinite_loss='skip' to skip such batches."
+        )
+
+    def _describe_late(self, global_step: int, epoch: int, batch_idx: int, value: float, taken: int) -> str:
+        strategy = self.trainer.strategy
+        where = f" on rank {strategy.global_rank}" if strategy.world_size > 1 else ""
+        device = strategy.root_device.type
+        return (
+            f"the training loss was {value}{where} at global step {global_step} (epoch {epoch}, batch {batch_idx}); "
+            f"on {device}, nonfinite_loss='error' reads the losses every {READ_LOSSES_EVERY_S:g} s rather than at "
+            f"each step (a read waits for the device), so {taken} optimizer step(s) from that one on were taken: the "
+            "weights in memory are not finite, but the last checkpoint is (one is written only after the losses "
+            "before it were read). Lower the learning rate, clip gradients or check that batch, or set "
+            "nonfinite_loss='skip', which reads each loss before its step and skips the bad ones."
         )
 
     def _terminate(self) -> None:
@@ -261,6 +322,11 @@ class SignalAgreement:
                 self._apart = True
                 self._in_flight = None
                 self._changed.notify_all()
+
+
+def reads_wait_for(device: torch.device) -> bool:
+    """Whether reading a tensor of `device` on the host waits for the work queued on it (not for the CPU)."""
+    return device.type != "cpu"
 
 
 def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float] | None:

@@ -185,6 +185,7 @@ class FitEpochs:
     def end_epoch(self, finished: bool) -> None:
         """The epoch's closing validation, then its values, schedulers, hooks and monitors, in Lightning's order."""
         progress, metrics = self.progress, self.metrics
+        self.guard.read_losses()  # a NaN kept unread (on an accelerator) stops the fit before the epoch's values
         progress.epoch_done = finished
         if progress.epoch_done:
             _validate_if_due(self.trainer, self.val_loaders)

@@ -64,5 +64,8 @@ class LoopState:
     #: During fit: this rank's torch RNG state as the running epoch began, when its loader drew its order and
     #: worker seeds (from torch's generator); a checkpoint keeps it, so a mid-epoch resume draws them again.
     epoch_start_rng: torch.Tensor | None = None
+    #: During fit: reads the training losses that the step guard keeps unread (faults.StepGuard.read_losses) and
+    #: raises at a NaN or inf; a checkpoint is built only after it, so none holds weights such a loss moved.
+    read_losses: Callable[[], None] | None = None
     #: After restoring a mid-epoch checkpoint: its epoch_start_rng, until the resumed epoch has drawn its order.
     resumed_epoch_rng: torch.Tensor | None = None

@@ -104,6 +104,8 @@ class TrainStep:
             # and freeing new ones each step.
             self.previous_loss = loss
             if self.guard.allow_step(outputs, batch_idx, True):
+                if self.strategy.checkpoint_in_flight:
+                    self.strategy.finish_checkpoints()
                 optimizer = self.optimizers[0]
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -120,6 +122,8 @@ class TrainStep:
         self.metrics.batch = batch
         if self.on_train_batch_start is not None and self.on_train_batch_start(batch, batch_idx) == -1:
             return True
+        if strategy.checkpoint_in_flight and not self.automatic:
+            strategy.finish_checkpoints()  # the module's own optimizer steps come in training_step
         if not self.automatic:
             outputs = strategy.training_step(batch, batch_idx)  # its optimizers' steps count in global_step
             progress.batches_stepped += 1
@@ -169,6 +173,8 @@ class TrainStep:
         Returns training_step's output from the step's last evaluation (`outputs` unless a closure ran it
         again), which on_train_batch_end gets, as in Lightning."""
         strategy, progress = self.strategy, self.progress
+        if strategy.checkpoint_in_flight:
+            strategy.finish_checkpoints()
         warming_up = progress.global_step < self.lr_scaler.warmup_end
         for optimizer, gets_closure in zip(self.optimizers, self.closure_optimizers):
             if self.module_optimizer_step is not None:

@@ -306,6 +306,7 @@ class Trainer(TrainerProperties):
             anomaly = torch.autograd.set_detect_anomaly(True) if config.detect_anomaly else contextlib.nullcontext()
             with faults.StepGuard(self) as guard, anomaly:  # SIGTERM and non-finite losses, settled at optimizer steps
                 fit_loop(self, loaders[0], loaders[1:], guard)
+            self.strategy.finish_checkpoints()  # the fit's checkpoints are under their names before on_fit_end
             with self.metrics.scope("train", in_step=False):  # as the fit loop's last hooks: it logs per epoch
                 self._hooks.call("on_fit_end")
             return None
@@ -336,9 +337,11 @@ class Trainer(TrainerProperties):
         self._run_folder.version = state["version"]
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
+    def save_checkpoint(self, path: str | Path, weights_only: bool = False, *, wait: bool = True) -> None:
         """Write a resumable checkpoint, or with `weights_only` one of the weights and hparams alone (call on
-        every rank; the strategy decides who writes)."""
+        every rank; the strategy decides who writes). `wait=False` (ModelCheckpoint's saves) returns once the file
+        is written: its fsync and rename into place finish on a thread of their own, before the next optimizer
+        step or the stage's end."""
         if self.strategy.module is None:
             last = getattr(self.checkpoint_callback, "last_model_path", "")
             raise MisconfigurationError(
@@ -353,9 +356,13 @@ class Trainer(TrainerProperties):
             for logger in self.loggers:
                 logger.save()  # the file must hold every row the checkpoint counts
         self.strategy.save_checkpoint(self.checkpoint_state(weights_only), path)
+        if wait:
+            self.strategy.finish_checkpoints()
 
     def checkpoint_state(self, weights_only: bool = False) -> dict[str, Any]:
         """The checkpoint dict (format: trainer/checkpoint.py). A collective: call on every rank."""
+        if self.loop_state.read_losses is not None:
+            self.loop_state.read_losses()
         return build_checkpoint(self, weights_only)
 
 

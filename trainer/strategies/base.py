@@ -21,9 +21,8 @@ from torch.utils.data import DataLoader
 
 from torchyard.trainer.batches import move_to_device
 from torchyard.trainer.checkpoint import (
-    link_checkpoint_file,
+    CheckpointFiles,
     load_checkpoint_file,
-    save_checkpoint_file,
     sync_folder,
 )
 from torchyard.trainer.data import prepare_loader
@@ -141,6 +140,9 @@ class Strategy(ABC):
         self._bound_training_step: Callable[[Any, int], Any] | None = None  # see setup_module
         self._plain_backward = False
         self._unsynced_folders: set[Path] = set()  # rank 0: folders holding renames not yet made durable
+        self._checkpoint_files: CheckpointFiles | None = None  # rank 0, during a stage that saved
+        #: Rank 0 has checkpoint work in flight (CheckpointFiles), which the next optimizer step waits for.
+        self.checkpoint_in_flight = False
 
     # ------------------------------------------------------------------ required
     @abstractmethod
@@ -179,10 +181,15 @@ class Strategy(ABC):
     def teardown(self) -> None:
         """Release wrappers and the process group; must leave no thread or group behind. Makes the stage's
         checkpoint names durable first (on every way out, a SIGTERM stop or a crash included)."""
-        for folder in self._unsynced_folders:  # once per stage, not per file: see checkpoint.save_checkpoint_file
-            sync_folder(folder)
-        self._unsynced_folders.clear()
-        self.model = self.module
+        try:
+            if self._checkpoint_files is not None:
+                self._checkpoint_files.close()
+        finally:
+            self._checkpoint_files, self.checkpoint_in_flight = None, False
+            for folder in self._unsynced_folders:  # once per stage, not per file: see checkpoint.save_checkpoint_file
+                sync_folder(folder)
+            self._unsynced_folders.clear()
+            self.model = self.module
 
     @property
     def global_rank(self) -> int:
@@ -431,25 +438,39 @@ class Strategy(ABC):
         optimizer.load_state_dict(state)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
-        """Rank 0 writes, atomically; everyone waits so no rank reads a half-written file."""
+        """Rank 0 writes, atomically: the file now, its fsync and rename on a thread of its own, done before the
+        next optimizer step (checkpoint.CheckpointFiles); every rank waits for the file to be written."""
         if self.is_global_zero:
-            self._unsynced_folders.add(save_checkpoint_file(checkpoint, path).parent)
+            self._unsynced_folders.add(self._files().save(checkpoint, path).parent)
         self.barrier("save_checkpoint")
 
     def link_checkpoint(self, source: str | Path, path: str | Path) -> None:
         """Give the checkpoint just saved at `source` the name `path` too (atomically), behind the same barrier."""
         if self.is_global_zero:
-            self._unsynced_folders.add(link_checkpoint_file(source, path).parent)
+            self._unsynced_folders.add(self._files().link(source, path).parent)
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Read a checkpoint onto this process's device."""
+        self.finish_checkpoints()
         return load_checkpoint_file(path, map_location=self.root_device)
 
     def remove_checkpoint(self, path: str | Path) -> None:
-        """Delete a checkpoint file (rank 0)."""
+        """Delete a checkpoint file (rank 0), after the checkpoint work asked for before."""
         if self.is_global_zero:
-            Path(path).unlink(missing_ok=True)
+            self._files().remove(path)
+
+    def finish_checkpoints(self) -> None:
+        """Return once this rank's checkpoint files are synced and named; raise CheckpointError where that failed."""
+        self.checkpoint_in_flight = False
+        if self._checkpoint_files is not None:
+            self._checkpoint_files.wait()
+
+    def _files(self) -> CheckpointFiles:
+        if self._checkpoint_files is None:
+            self._checkpoint_files = CheckpointFiles()
+        self.checkpoint_in_flight = True
+        return self._checkpoint_files
 
 
 def step_loss(output: Any) -> torch.Tensor:

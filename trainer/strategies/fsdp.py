@@ -270,6 +270,7 @@ class FSDPStrategy(ProcessGroupStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path) -> None:
         if self.checkpoint != "sharded":
             return super().save_checkpoint(checkpoint, path)
+        self.finish_checkpoints()  # a file's save or link still in flight comes first
         written = save_sharded(checkpoint, Path(path), self.is_global_zero, functools.partial(self.barrier, "save"))
         if self.is_global_zero:
             self._unsynced_folders.add(written.parent)
@@ -280,6 +281,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         if not Path(source).is_dir():
             return super().link_checkpoint(source, path)
         if self.is_global_zero:
+            self.finish_checkpoints()
             link_folder(Path(source), Path(path))
             self._unsynced_folders.add(Path(path).parent)
         self.barrier("save_checkpoint")
@@ -293,8 +295,12 @@ class FSDPStrategy(ProcessGroupStrategy):
 
     @override
     def remove_checkpoint(self, path: str | Path) -> None:
+        if not Path(path).is_dir():
+            return super().remove_checkpoint(path)  # a file: removed after the work queued before it
         if self.is_global_zero:
+            self.finish_checkpoints()  # what was asked for before (a file's save or link, in flight) comes first
             remove_path(Path(path))
+        return None
 
 
 # --------------------------------------------------------------------------- plain functions
