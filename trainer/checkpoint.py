@@ -48,8 +48,7 @@ def _write_temporary(checkpoint: Any, path: Path) -> IO[bytes]:
         torch.save(checkpoint, file)
         file.flush()
     except BaseException:
-        file.close()
-        Path(file.name).unlink(missing_ok=True)
+        _discard(file)
         raise
     return file
 

@@ -220,27 +220,28 @@ class StepGuard:
         return bad, self._agreement.at_boundary()
 
     def _describe(self, batch_idx: int, value: float) -> str:
-        progress, strategy = self.trainer.progress, self.trainer.strategy
-        where = f" on rank {strategy.global_rank}" if strategy.world_size > 1 else ""
+        progress = self.trainer.progress
         return (
-            f"the training loss was {value}{where} at global step {progress.global_step} (epoch {progress.epoch}, "
-            f"batch {batch_idx}); training stopped before that optimizer step, so the weights and the last "
-            "checkpoint are finite. Lower the learning rate, clip gradients or check that batch, or set "
-            "nonfinite_loss='skip' to skip such batches."
+            f"{self._bad_loss(value, progress.global_step, progress.epoch, batch_idx)}; training stopped before that "
+            "optimizer step, so the weights and the last checkpoint are finite. Lower the learning rate, clip "
+            "gradients or check that batch, or set nonfinite_loss='skip' to skip such batches."
         )
 
     def _describe_late(self, global_step: int, epoch: int, batch_idx: int, value: float, taken: int) -> str:
+        return (
+            f"{self._bad_loss(value, global_step, epoch, batch_idx)}; on {self.trainer.strategy.root_device.type}, "
+            f"nonfinite_loss='error' reads the losses every {READ_LOSSES_EVERY_S:g} s rather than at each step (a "
+            f"read waits for the device), so {taken} optimizer step(s) from that one on were taken: the weights in "
+            "memory are not finite, but the last checkpoint is (one is written only after the losses before it were "
+            "read). Lower the learning rate, clip gradients or check that batch, or set nonfinite_loss='skip', which "
+            "reads each loss before its step and skips the bad ones."
+        )
+
+    def _bad_loss(self, value: float, global_step: int, epoch: int, batch_idx: int) -> str:
+        """Which loss was bad, and where: the start of both messages above."""
         strategy = self.trainer.strategy
         where = f" on rank {strategy.global_rank}" if strategy.world_size > 1 else ""
-        device = strategy.root_device.type
-        return (
-            f"the training loss was {value}{where} at global step {global_step} (epoch {epoch}, batch {batch_idx}); "
-            f"on {device}, nonfinite_loss='error' reads the losses every {READ_LOSSES_EVERY_S:g} s rather than at "
-            f"each step (a read waits for the device), so {taken} optimizer step(s) from that one on were taken: the "
-            "weights in memory are not finite, but the last checkpoint is (one is written only after the losses "
-            "before it were read). Lower the learning rate, clip gradients or check that batch, or set "
-            "nonfinite_loss='skip', which reads each loss before its step and skips the bad ones."
-        )
+        return f"the training loss was {value}{where} at global step {global_step} (epoch {epoch}, batch {batch_idx})"
 
     def _terminate(self) -> None:
         trainer, progress = self.trainer, self.trainer.progress
