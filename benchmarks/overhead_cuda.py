@@ -13,11 +13,15 @@ cannot resolve (their ratios spread 0.87-1.21 on a lent H200). Each side's stead
 between its consecutive step starts, on the wall clock (so a host that waits for the GPU pays for it), the
 first after a switch left out. An A/A run, a hand-written loop in the Trainer's place, gives the method's bias.
 
+`--split` adds variants with parts of the Trainer's per-step work turned off (the module's `self.log`, the
+progress bar and logger, the loss check, then all of them), so that a GPU host shows where the Trainer's extra
+microseconds a step go, as overhead.py's no-op step shows it on a CPU.
+
 Whole runs (`--whole-runs`): each run is one epoch timed from its first batch to a final
 torch.cuda.synchronize(); a hand-written run comes before and after every Trainer run, and each Trainer
 run's ratio is to the mean of its two neighbours.
 
-    python benchmarks/overhead_cuda.py [--runs 3] [--steps 300] [--epochs 2] [--block 20] [--whole-runs]
+    python benchmarks/overhead_cuda.py [--runs 3] [--steps 300] [--epochs 2] [--block 20] [--split | --whole-runs]
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer
 
 VARIANTS = {"Trainer (defaults)": {}, "Trainer, nonfinite_loss='ignore'": {"nonfinite_loss": "ignore"}}
+EXTRAS_OFF = {"enable_progress_bar": False, "logger": False, "enable_model_summary": False}
+SPLIT_VARIANTS = {  # `--split`; "unlogged": the module does not call self.log
+    "Trainer, no self.log": {"unlogged": True},
+    "Trainer, no bar, no logger": EXTRAS_OFF,
+    "Trainer, all of these off": {"unlogged": True, "nonfinite_loss": "ignore", **EXTRAS_OFF},
+}
+
+
+class UnloggedMLP(MLP):
+    """The MLP without its per-step `self.log` (`--split`)."""
+
+    def training_step(self, batch, batch_idx):
+        self.stamps.step(batch_idx)
+        x, y = batch
+        return F.cross_entropy(self(x), y)
 
 
 class CudaHandSteps(InterleavedHandSteps):
@@ -90,7 +109,8 @@ def with_trainer(data: TensorDataset, epochs: int, module: MLP, **options) -> fl
 
 
 def interleaved_blocks(data: TensorDataset, args: argparse.Namespace) -> None:
-    runs: dict[str, list[CudaHandSteps]] = {name: [] for name in ("A/A", *VARIANTS)}
+    variants = {**VARIANTS, **SPLIT_VARIANTS} if args.split else VARIANTS
+    runs: dict[str, list[CudaHandSteps]] = {name: [] for name in ("A/A", *variants)}
     for _ in range(args.runs):
         for name in runs:
             interleaved = CudaHandSteps(data, args.block)
@@ -98,7 +118,9 @@ def interleaved_blocks(data: TensorDataset, args: argparse.Namespace) -> None:
                 hand_written(data, args.epochs, interleaved)
             else:
                 torch.manual_seed(0)
-                with_trainer(data, args.epochs, MLP(interleaved), **VARIANTS[name])
+                options = dict(variants[name])
+                module = (UnloggedMLP if options.pop("unlogged", False) else MLP)(interleaved)
+                with_trainer(data, args.epochs, module, **options)
             runs[name].append(interleaved)
     bias = statistics.median(run.ratios()[0] for run in runs.pop("A/A"))
     print(f"interleaved blocks of {args.block} steps, {args.runs} runs of each; the method's bias (A/A) {bias:.3f}")
@@ -107,13 +129,13 @@ def interleaved_blocks(data: TensorDataset, args: argparse.Namespace) -> None:
         ours = statistics.median(statistics.median(t[0] for t in run.trainer) for run in variant_runs)
         hand = statistics.median(statistics.median(h[0] for h in run.hand) for run in variant_runs)
         ratio = statistics.median(ratios)
-        print(f"{name:>34}: {ours * 1e6:7.1f} us/step, hand-written {hand * 1e6:7.1f}   steady ratio {ratio:.3f} "
+        print(f"{name:>34}: {ours * 1e6:7.1f} us/step, hand-written {hand * 1e6:7.1f} ({(ours - hand) * 1e6:+5.1f})   "
+              f"steady ratio {ratio:.3f} "
               f"({min(ratios):.3f}-{max(ratios):.3f}); without the method's bias {ratio / bias:.3f}")
 
 
 def whole_runs(data: TensorDataset, args: argparse.Namespace) -> None:
-    variants = {**VARIANTS, "Trainer, all extras off": dict(
-        nonfinite_loss="ignore", enable_progress_bar=False, logger=False, enable_model_summary=False)}
+    variants = {**VARIANTS, "Trainer, all extras off": dict(nonfinite_loss="ignore", **EXTRAS_OFF)}
     hand = [hand_written(data, 1)]
     times: dict[str, list[float]] = {name: [] for name in variants}
     ratios: dict[str, list[float]] = {name: [] for name in variants}
@@ -136,8 +158,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per interleaved run")
     parser.add_argument("--block", type=int, default=20)
+    parser.add_argument("--split", action="store_true", help="also the variants with parts of the Trainer off")
     parser.add_argument("--whole-runs", action="store_true", help="alternate whole runs instead")
     args = parser.parse_args()
+    if args.split and args.whole_runs:
+        parser.error("--split is a variant of the interleaved blocks; leave out --whole-runs")
     if not torch.cuda.is_available():
         raise SystemExit("overhead_cuda.py needs a CUDA device; benchmarks/overhead.py measures the CPU.")
     torch.set_num_threads(1)  # as overhead.py: the overhead measured is the framework's Python, not the kernels
