@@ -41,11 +41,6 @@ from torchyard.trainer import Trainer
 
 VARIANTS = {"Trainer (defaults)": {}, "Trainer, nonfinite_loss='ignore'": {"nonfinite_loss": "ignore"}}
 EXTRAS_OFF = {"enable_progress_bar": False, "logger": False, "enable_model_summary": False}
-SPLIT_VARIANTS = {  # `--split`; "unlogged": the module does not call self.log
-    "Trainer, no self.log": {"unlogged": True},
-    "Trainer, no bar, no logger": EXTRAS_OFF,
-    "Trainer, all of these off": {"unlogged": True, "nonfinite_loss": "ignore", **EXTRAS_OFF},
-}
 
 
 class UnloggedMLP(MLP):
@@ -55,6 +50,13 @@ class UnloggedMLP(MLP):
         self.stamps.step(batch_idx)
         x, y = batch
         return F.cross_entropy(self(x), y)
+
+
+SPLIT_VARIANTS = {  # `--split`: (the module's class, the Trainer's options)
+    "Trainer, no self.log": (UnloggedMLP, {}),
+    "Trainer, no bar, no logger": (MLP, EXTRAS_OFF),
+    "Trainer, all of these off": (UnloggedMLP, {"nonfinite_loss": "ignore", **EXTRAS_OFF}),
+}
 
 
 class CudaHandSteps(InterleavedHandSteps):
@@ -109,7 +111,9 @@ def with_trainer(data: TensorDataset, epochs: int, module: MLP, **options) -> fl
 
 
 def interleaved_blocks(data: TensorDataset, args: argparse.Namespace) -> None:
-    variants = {**VARIANTS, **SPLIT_VARIANTS} if args.split else VARIANTS
+    variants = {name: (MLP, options) for name, options in VARIANTS.items()}
+    if args.split:
+        variants.update(SPLIT_VARIANTS)
     runs: dict[str, list[CudaHandSteps]] = {name: [] for name in ("A/A", *variants)}
     for _ in range(args.runs):
         for name in runs:
@@ -118,9 +122,8 @@ def interleaved_blocks(data: TensorDataset, args: argparse.Namespace) -> None:
                 hand_written(data, args.epochs, interleaved)
             else:
                 torch.manual_seed(0)
-                options = dict(variants[name])
-                module = (UnloggedMLP if options.pop("unlogged", False) else MLP)(interleaved)
-                with_trainer(data, args.epochs, module, **options)
+                module_class, options = variants[name]
+                with_trainer(data, args.epochs, module_class(interleaved), **options)
             runs[name].append(interleaved)
     bias = statistics.median(run.ratios()[0] for run in runs.pop("A/A"))
     print(f"interleaved blocks of {args.block} steps, {args.runs} runs of each; the method's bias (A/A) {bias:.3f}")
