@@ -308,7 +308,16 @@ def test_a_nan_loss_read_late_still_leaves_no_checkpoint_after_it(tmp_path, read
     assert_same_weights(last["state_dict"], fit_poisoned(tmp_path / "stopped", max_steps=bad_batch).state_dict())
 
 
-def test_a_nan_loss_read_late_stops_the_fit_at_its_epoch_end_naming_its_step(tmp_path, reads_wait):
+class LinearWithOneElementLosses(Linear):
+    """Its odd batches' losses have shape (1,), which backward takes as it takes a scalar's."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss.reshape(1) if batch_idx % 2 else loss
+
+
+@pytest.mark.parametrize("module_class", [Linear, LinearWithOneElementLosses])
+def test_a_nan_loss_read_late_stops_the_fit_at_its_epoch_end_naming_its_step(tmp_path, reads_wait, module_class):
     reads_wait(3600.0)
     torch.manual_seed(0)
     trainer = Trainer(seed=5, max_epochs=2, default_root_dir=str(tmp_path), enable_checkpointing=False, logger=False,
@@ -316,7 +325,7 @@ def test_a_nan_loss_read_late_stops_the_fit_at_its_epoch_end_naming_its_step(tmp
     bad_batch = next(i for i, batch in enumerate(epoch_batches(0)) if POISONED in batch)
     later = 8 - bad_batch  # the epoch's 8 steps from the bad one on
     with pytest.raises(NonFiniteLossError, match=rf"at global step {bad_batch} .* so {later} optimizer step"):
-        trainer.fit(Linear(), DataLoader(poisoned_data(), batch_size=4, shuffle=True))
+        trainer.fit(module_class(), DataLoader(poisoned_data(), batch_size=4, shuffle=True))
     assert trainer.global_step == 8 and trainer.current_epoch == 0
 
 

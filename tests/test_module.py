@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import pickle
 
 import pytest
@@ -95,6 +96,18 @@ def test_outside_a_trainer():
     assert module.device == torch.device("cpu")
     with pytest.raises(MisconfigurationError, match="WithHparams is not attached to a Trainer yet"):
         module.trainer  # noqa: B018
+
+
+def test_the_default_transfer_moves_every_tensor_of_a_nested_batch_and_keeps_its_containers():
+    Pair = collections.namedtuple("Pair", "left right")
+    x = torch.ones(2)
+    batch = [x, (x, "label", 3), {"ids": x, "rest": [Pair(x, None)]}]
+    moved = WithHparams(2).transfer_batch_to_device(batch, torch.device("meta"), 0)
+    assert type(moved) is list and type(moved[1]) is tuple and type(moved[2]["rest"][0]) is Pair
+    tensors = [moved[0], moved[1][0], moved[2]["ids"], moved[2]["rest"][0].left]
+    assert all(tensor.device == torch.device("meta") and tensor.shape == (2,) for tensor in tensors)
+    assert moved[1][1:] == ("label", 3) and moved[2]["rest"][0].right is None
+    assert batch[0].device == torch.device("cpu")  # the loader's batch itself is left as it was
 
 
 class Regressor(TrainModule):

@@ -97,6 +97,15 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     """Move every tensor in a (nested) batch to `device`."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
+    if type(batch) is list or type(batch) is tuple:
+        # The default collate's batch, every step of a fit on an accelerator: its tensors moved in one
+        # comprehension rather than a call and a generator each (a microsecond or more a step on a busy host).
+        moved = [
+            value.to(device, non_blocking=non_blocking) if type(value) is torch.Tensor
+            else move_to_device(value, device, non_blocking)
+            for value in batch
+        ]
+        return moved if type(batch) is list else tuple(moved)
     if isinstance(batch, dict):
         return type(batch)({k: move_to_device(v, device, non_blocking) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

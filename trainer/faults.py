@@ -169,7 +169,11 @@ class StepGuard:
         if not unread:
             return
         self._unread, self._read_by = [], time.monotonic() + READ_LOSSES_EVERY_S
-        finite = torch.isfinite(torch.cat([loss.reshape(-1) for *_, loss in unread]))
+        losses = [loss for *_, loss in unread]
+        try:  # scalars, as losses are: one call, not a reshape each
+            finite = torch.isfinite(torch.stack(losses)).reshape(-1)
+        except RuntimeError:  # losses of several shapes
+            finite = torch.isfinite(torch.cat([loss.reshape(-1) for loss in losses]))
         if bool(finite.all()):
             return
         first = finite.tolist().index(False)
