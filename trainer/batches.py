@@ -98,8 +98,8 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if type(batch) is list or type(batch) is tuple:
-        # The default collate's batch, every step of a fit on an accelerator: its tensors moved in one
-        # comprehension rather than a call and a generator each (a microsecond or more a step on a busy host).
+        # The default collate's batch, at every step of a fit on an accelerator: its tensors moved in one
+        # comprehension rather than a call and a generator each (docs/benchmarks.md, tenth session).
         moved = [
             value.to(device, non_blocking=non_blocking) if type(value) is torch.Tensor
             else move_to_device(value, device, non_blocking)
