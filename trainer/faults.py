@@ -140,7 +140,8 @@ class StepGuard:
             for loss_batch_idx, loss in losses:
                 self._keep_unread(loss_batch_idx, loss)
         elif losses:
-            local = _first_nonfinite(losses)
+            found = _first_nonfinite([loss for _, loss in losses])
+            local = None if found is None else (losses[found[0]][0], found[1])
         if local is not None and self.mode == "error":
             # No agreement needed: the other ranks cannot save without this one, and the job stops.
             raise NonFiniteLossError(self._describe(*local))
@@ -169,21 +170,14 @@ class StepGuard:
         if not unread:
             return
         self._unread, self._read_by = [], time.monotonic() + READ_LOSSES_EVERY_S
-        losses = [loss for *_, loss in unread]
-        try:  # scalars, as losses are: one call, not a reshape each
-            finite = torch.isfinite(torch.stack(losses)).reshape(-1)
-        except RuntimeError:  # losses of several shapes
-            finite = torch.isfinite(torch.cat([loss.reshape(-1) for loss in losses]))
-        if bool(finite.all()):
+        found = _first_nonfinite([loss for *_, loss in unread])
+        if found is None:
             return
-        first = finite.tolist().index(False)
-        for global_step, epoch, batch_idx, loss in unread:
-            if first < loss.numel():
-                value, taken = loss.reshape(-1)[first].item(), self.trainer.progress.global_step - global_step
-                # Read before its own step (the read fell due at it): that step was not taken.
-                raise NonFiniteLossError(self._describe_late(global_step, epoch, batch_idx, value, taken) if taken
-                                         else self._describe(batch_idx, value))
-            first -= loss.numel()
+        global_step, epoch, batch_idx, _ = unread[found[0]]
+        taken = self.trainer.progress.global_step - global_step
+        # Read before its own step (the read fell due at it): that step was not taken.
+        raise NonFiniteLossError(self._describe_late(global_step, epoch, batch_idx, found[1], taken) if taken
+                                 else self._describe(batch_idx, found[1]))
 
     def check_reevaluated(self, loss: torch.Tensor, batch_idx: int) -> None:
         """A loss that an optimizer's closure evaluated again (LBFGS, SAM) inside its step: one that is NaN or inf
@@ -334,20 +328,23 @@ def reads_wait_for(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _first_nonfinite(losses: list[tuple[int, torch.Tensor]]) -> tuple[int, float] | None:
-    """(batch_idx, value) of the window's first non-finite loss; one host read when all are finite."""
-    if len(losses) == 1 and losses[0][1].ndim == 0:
+def _first_nonfinite(losses: list[torch.Tensor]) -> tuple[int, float] | None:
+    """(index, value) of the first of `losses` that holds a NaN or inf, and that value; one host read when all
+    are finite."""
+    if len(losses) == 1 and losses[0].ndim == 0:
         # The usual window, one scalar loss: reading it is one host sync, like the check below, with
         # none of its kernel launches (they cost tens of microseconds a step on a CPU).
-        batch_idx, loss = losses[0]
-        value = loss.item()
-        return None if math.isfinite(value) else (batch_idx, value)
-    if bool(torch.stack([torch.isfinite(loss).all() for _, loss in losses]).all()):
+        value = losses[0].item()
+        return None if math.isfinite(value) else (0, value)
+    try:  # losses of one shape (scalars, as a rule): one stack, not a check per loss
+        finite = torch.isfinite(torch.stack(losses)).reshape(len(losses), -1).all(1)
+    except RuntimeError:  # losses of several shapes
+        finite = torch.stack([torch.isfinite(loss).all() for loss in losses])
+    if bool(finite.all()):
         return None
-    for batch_idx, loss in losses:
-        if not bool(torch.isfinite(loss).all()):
-            return batch_idx, loss.float().flatten()[~torch.isfinite(loss.flatten())][0].item()
-    return None
+    index = finite.tolist().index(False)
+    loss = losses[index].float().flatten()
+    return index, loss[~torch.isfinite(loss)][0].item()
 
 
 def _last_checkpoint_path(trainer: Trainer) -> Path:
