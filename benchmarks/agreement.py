@@ -1,4 +1,4 @@
-"""What the ranks' SIGTERM agreement (trainer/faults.py) costs the training thread of each ddp rank, per step.
+"""What the ranks' SIGTERM agreement (trainer/loop/faults.py) costs the training thread of each ddp rank, per step.
 
     python benchmarks/agreement.py [--steps 2000]
 
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchyard.trainer import faults
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cluster.environment import find_free_port
+from torchyard.trainer.loop import faults
 from torchyard.trainer.strategies import distributed
 
 

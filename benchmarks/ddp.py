@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cluster.environment import find_free_port
 
 WARMUP = 5
 LOG_EVERY = 50

@@ -49,7 +49,7 @@ both sides' epochs, which the interleaving would split between them: read this m
 Fresh processes (`--processes`): each side's whole fit runs in a process of its own, as a user runs it (the
 issue that asked for this benchmark measured this way): the hand-written loop, the Trainer on its defaults, and
 the Trainer with tune_malloc=False, the order rotating from round to round. Only here does the Trainer's
-malloc setting (trainer/host_memory.py) meet a hand-written loop on glibc's defaults: in the modes above both
+malloc setting (trainer/loop/host_memory.py) meet a hand-written loop on glibc's defaults: in the modes above both
 sides share one process, so the hand-written epochs run under the setting too once the Trainer has set it, and
 their ratio is the framework's own work. Each fit's training phase per epoch is printed, and each Trainer
 side's ratios to the hand-written fit of the same round (median, min-max). The spread is wide: a fit takes

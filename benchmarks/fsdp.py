@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cluster.environment import find_free_port
 
 WARMUP = 3
 

@@ -9,7 +9,7 @@ starts to the end of rank 0's first optimizer step (both ranks took part: its al
 each going first in every other round, so drift in the machine's load hits both alike. Prints each side's median
 and spread (min-max) in seconds and its ratio to torchrun's median (target <= 1.0). `--unguarded` also times the
 Trainer script without its main guard (Lightning's launch: rank 1 re-runs the command line); `--cold` also the
-guarded script with workers spawned as fresh interpreters (the launch before trainer/warm_start.py).
+guarded script with workers spawned as fresh interpreters (the launch before trainer/launch/warm_start.py).
 
 `--single`: one process instead, `python hand_single.py` (a plain loop) against `python train_single.py` (the
 Trainer on its defaults: progress bar, model summary, CSV logger, checkpointing), timed the same way; prints the
@@ -143,7 +143,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     ddp = TRAINER.replace("TRAINER_ARGUMENTS", DDP_ARGUMENTS)
     guarded = ddp + '\nif __name__ == "__main__":\n    main()\n'
-    no_forkserver = "import torchyard.trainer.warm_start as warm_start\nwarm_start.available = lambda: False\n"
+    no_forkserver = "import torchyard.trainer.launch.warm_start as warm_start\nwarm_start.available = lambda: False\n"
     scripts = {"hand.py": HAND_WRITTEN, "train.py": guarded, "unguarded.py": ddp + "\nmain()\n",
                "cold.py": no_forkserver + guarded, "hand_single.py": HAND_WRITTEN_SINGLE,
                "train_single.py": TRAINER.replace("TRAINER_ARGUMENTS", SINGLE_ARGUMENTS) + "\nmain()\n"}

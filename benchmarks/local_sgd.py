@@ -15,7 +15,7 @@ import argparse
 import statistics
 import tempfile
 
-from torchyard.trainer.scale import plan_study, run_layout
+from torchyard.trainer.scaling.study import plan_study, run_layout
 
 DEFAULT_SOURCES = ["recipes/digits.yaml", "model.init_args.hidden=2048"]
 

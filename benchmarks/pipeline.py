@@ -143,7 +143,7 @@ def trainer_run(args: argparse.Namespace, schedule: str) -> list[tuple[float, fl
     """The Trainer with strategy=PipelineStrategy cut at the same places; step-end timestamps."""
     from torchyard.callbacks import Callback
     from torchyard.trainer import Trainer
-    from torchyard.trainer.strategies.pipeline import PipelineStrategy
+    from torchyard.trainer.strategies.pipeline.strategy import PipelineStrategy
 
     class Stamp(Callback):
         def __init__(self) -> None:
@@ -245,8 +245,8 @@ def report(args: argparse.Namespace, rows: list[tuple[str, float, float, float, 
 
 
 def main() -> None:
-    from torchyard.trainer.environment import find_free_port
-    from torchyard.trainer.strategies.pipeline_split import available_schedules
+    from torchyard.trainer.cluster.environment import find_free_port
+    from torchyard.trainer.strategies.pipeline.split import available_schedules
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)

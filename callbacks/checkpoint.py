@@ -15,8 +15,8 @@ from typing_extensions import override
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.config import parse_duration
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.evaluation_record import SCORED, clear_training_ended, mark_training_ended, read_record
-from torchyard.trainer.loggers import Logger
+from torchyard.trainer.logs.evaluations import SCORED, clear_training_ended, mark_training_ended, read_record
+from torchyard.trainer.logs.loggers import Logger
 from torchyard.trainer.module import overridden
 
 if TYPE_CHECKING:

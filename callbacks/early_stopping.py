@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.evaluation_record import SCORED, read_record, scores
+from torchyard.trainer.logs.evaluations import SCORED, read_record, scores
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule

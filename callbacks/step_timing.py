@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from torchyard.callbacks.base import Callback
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.loggers import atomic_write_text
+from torchyard.trainer.logs.runs import atomic_write_text
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule

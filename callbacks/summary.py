@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from torchyard.callbacks.base import Callback
-from torchyard.trainer.data import samples_in_batches
+from torchyard.trainer.checkpointing.resume import shown_path
+from torchyard.trainer.data.loaders import samples_in_batches
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.resume import shown_path
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer import checkpoint as checkpoint_io
-from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.checkpointing import files as checkpoint_io
+from torchyard.trainer.checkpointing.files import load_checkpoint_file
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
@@ -233,7 +233,7 @@ class BatchCount(Callback):
 
 def test_last_is_the_furthest_trained_checkpoint_whatever_the_files_times(tmp_path):
     from torchyard.callbacks import ModelCheckpoint
-    from torchyard.trainer.resume import ranked_checkpoints
+    from torchyard.trainer.checkpointing.resume import ranked_checkpoints
 
     def run(max_epochs, ckpt_path=None):
         counted = BatchCount()
@@ -273,7 +273,7 @@ def test_last_means_last_ckpt_even_where_an_abandoned_branch_trained_further(tmp
 
 def test_a_stale_last_ckpt_gives_way_to_newer_files_trained_further(tmp_path):
     from torchyard.callbacks import ModelCheckpoint
-    from torchyard.trainer.resume import ranked_checkpoints
+    from torchyard.trainer.checkpointing.resume import ranked_checkpoints
 
     trainer = Trainer(
         default_root_dir=str(tmp_path),
@@ -609,7 +609,7 @@ def test_state_a_checkpoint_could_not_be_loaded_from_is_refused_when_saving(tmp_
         ):
             trainer.fit(DropoutRegressor(), DataLoader(regression_data(), batch_size=8))
         assert not list(tmp_path.rglob("*.ckpt"))
-    from torchyard.trainer.checkpoint import unloadable
+    from torchyard.trainer.checkpointing.files import unloadable
 
     assert unloadable({"layout": torch.strided, "size": torch.Size([2]), "kind": torch.float16, "n": {1, 2}}) is None
     fine = BestSoFar(torch.tensor(0.5))

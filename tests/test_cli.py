@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from torchyard.trainer.cli import main
+from torchyard.trainer.cli.main import main
+from torchyard.trainer.cli.options_table import readme_reference, reference_table, update_readme
+from torchyard.trainer.cli.recipe import init_parameters, load_recipe
 from torchyard.trainer.config import option_names, parse_duration
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.options_table import readme_reference, reference_table, update_readme
 from torchyard.trainer.preflight import save_recipe_beside_earlier
-from torchyard.trainer.recipe import init_parameters, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO / "recipes" / "digits.yaml")
@@ -474,7 +474,7 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
                                   ["config", "--reference"]])
 def test_help_and_the_options_reference_import_no_torch(argv):
     # torch takes seconds to import; a user reading the help, or the options, must not wait for it.
-    code = ("import sys; from trainer.cli import main; status = main(sys.argv[1:]); "
+    code = ("import sys; from trainer.cli.main import main; status = main(sys.argv[1:]); "
             "loaded = sorted(name for name in sys.modules if name.split('.')[0] == 'torch'); "
             "print('TORCH:', loaded[:5]); raise SystemExit(status)")
     result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -18,9 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.checkpoint import load_checkpoint_file
-from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.faults import NonFiniteLossError
+from torchyard.trainer.checkpointing.files import load_checkpoint_file
+from torchyard.trainer.errors import MisconfigurationError, NonFiniteLossError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

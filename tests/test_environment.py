@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchyard.trainer.environment import (
+from torchyard.trainer.cluster.environment import (
     ClusterEnvironment,
     detect_environment,
     expand_hostlist,
@@ -284,7 +284,7 @@ def test_world_size_must_match_devices_times_nodes():
 
 @pytest.mark.parametrize(("omp", "expected"), [(None, 4), ("", 4), ("3", 3), ("4,2", 4), ("0", 1), ("many", 4)])
 def test_worker_threads_take_the_users_outer_omp_setting_else_share_the_cores(monkeypatch, omp, expected):
-    monkeypatch.setattr("torchyard.trainer.environment.usable_cores", lambda: 8)
+    monkeypatch.setattr("torchyard.trainer.cluster.environment.usable_cores", lambda: 8)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:

@@ -248,7 +248,7 @@ def test_a_warning_from_inside_a_fit_is_shown_without_a_framework_location():
         Trainer(max_epochs=1, **{**QUIET, "logger": True}).fit(Tiny(), loader())
     caught = next(w for w in record if "log_every_n_steps" in str(w.message))
     shown = warnings.formatwarning(caught.message, caught.category, caught.filename, caught.lineno)
-    assert shown == f"UserWarning: {caught.message}\n"  # no trainer/loop.py:NNN, no source line
+    assert shown == f"UserWarning: {caught.message}\n"  # no trainer/loop/loops.py:NNN, no source line
     # A warning located in the user's code keeps Python's format: file, line and source.
     with pytest.warns(UserWarning) as record:
         warnings.warn("the user's own warning", stacklevel=1)  # located here, in the test

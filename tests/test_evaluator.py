@@ -1,5 +1,5 @@
-"""The evaluator (trainer/evaluator.py): each checkpoint scored once, outside the loop, as in-loop validation scores it;
-its record drives EarlyStopping and ModelCheckpoint."""
+"""The evaluator (trainer/evaluation/evaluator.py): each checkpoint scored once, outside the loop, as in-loop
+validation scores it; its record drives EarlyStopping and ModelCheckpoint."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ from typing_extensions import override
 from torchyard.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from torchyard.recipes.digits import DigitsCNN, DigitsData
 from torchyard.trainer import Trainer, seed_everything
-from torchyard.trainer.cli import main
+from torchyard.trainer.cli.main import main
+from torchyard.trainer.cli.recipe import load_recipe
 from torchyard.trainer.config import EvaluatorConfig
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.evaluation_record import DELETED, SCORED, SKIPPED, read_record, training_ended
-from torchyard.trainer.evaluator import Evaluator, EvaluatorProcess, evaluator_gpu
-from torchyard.trainer.plot import read_run
-from torchyard.trainer.recipe import load_recipe
+from torchyard.trainer.evaluation.evaluator import Evaluator, EvaluatorProcess, evaluator_gpu
+from torchyard.trainer.logs.evaluations import DELETED, SCORED, SKIPPED, read_record, training_ended
+from torchyard.trainer.logs.plot import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO / "recipes" / "digits.yaml")

@@ -28,12 +28,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback, ModelCheckpoint
-from torchyard.trainer import Trainer, TrainModule, faults
-from torchyard.trainer.checkpoint import load_checkpoint_file
-from torchyard.trainer.data import prepare_loader
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.checkpointing.files import load_checkpoint_file
+from torchyard.trainer.cluster.environment import find_free_port
+from torchyard.trainer.data.loaders import prepare_loader
 from torchyard.trainer.errors import CheckpointError
-from torchyard.trainer.faults import (
+from torchyard.trainer.loop import faults
+from torchyard.trainer.loop.faults import (
     SIGINT_EXIT_CODE,
     SIGTERM_EXIT_CODE,
     CollectiveTimeoutError,

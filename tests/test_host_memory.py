@@ -1,4 +1,4 @@
-"""trainer/host_memory.py: glibc keeps the memory a step frees, so the next step does not fault it in again.
+"""trainer/loop/host_memory.py: glibc keeps the memory a step frees, so the next step does not fault it in again.
 
 malloc's settings hold for the whole process, so each case runs in a fresh one and counts its own page faults
 while it frees 72 MiB and asks for it again. On its defaults glibc trims the top of its heap once more than
@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from torchyard.trainer import host_memory
+from torchyard.trainer.loop import host_memory
 
 pytestmark = pytest.mark.skipif(host_memory._glibc() is None, reason="mallopt is glibc's; this C library is not glibc")
 
@@ -66,7 +66,7 @@ def _run(body: str) -> dict:
 def test_freed_memory_is_kept_for_the_next_step_and_released_on_request():
     plain = _run("print(json.dumps({'faults': faults_of_a_step()}))")
     kept = _run("""
-        from torchyard.trainer.host_memory import keep_freed_memory, release_freed_memory
+        from torchyard.trainer.loop.host_memory import keep_freed_memory, release_freed_memory
         reason = keep_freed_memory()
         faults = faults_of_a_step()
         held = resident_mib()

@@ -1,4 +1,4 @@
-"""`trainer launch` (trainer/hosts.py): its input checks, what each host runs, and the guard around a node.
+"""`trainer launch` (trainer/launch/ssh_hosts.py): its input checks, what each host runs, and the guard around a node.
 The launches over a real sshd are in tests/cluster/test_hosts_over_ssh.py."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from torchyard.trainer import hosts
-from torchyard.trainer.cli import main
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cli.main import main
+from torchyard.trainer.cluster.environment import find_free_port
+from torchyard.trainer.launch import ssh_hosts as hosts
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -96,7 +96,8 @@ def test_each_host_runs_the_guard_around_its_node_in_this_directory_with_the_job
     assert line.startswith(f"cd {os.getcwd()} && exec env ")
     assert "TORCHYARD_TEST_MARK='x y'" in line and "MASTER_ADDR=node1 NODE_RANK=1" in line
     assert "UNRELATED" not in line
-    assert f"{sys.executable} -m torchyard.trainer.hosts -- {sys.executable} -m torch.distributed.run" in line
+    guard = f"{sys.executable} -m torchyard.trainer.launch.ssh_hosts"
+    assert f"{guard} -- {sys.executable} -m torch.distributed.run" in line
 
 
 def test_a_recipe_runs_as_the_trainer_command_with_the_jobs_shape(capsys):
@@ -110,8 +111,9 @@ def test_a_recipe_runs_as_the_trainer_command_with_the_jobs_shape(capsys):
 
 def start_guard(command: list[str], tmp_path: Path) -> subprocess.Popen:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "NODE_RANK": "0"}
-    return subprocess.Popen([sys.executable, "-m", "torchyard.trainer.hosts", "--", *command], env=env, cwd=tmp_path,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "torchyard.trainer.launch.ssh_hosts", "--", *command], env=env,
+                            cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def wait_for(path: Path) -> None:

@@ -17,83 +17,142 @@ RECIPES = "torchyard.recipes"  # may import the framework; the framework never i
 
 T, C = "torchyard.trainer", "torchyard.callbacks"
 LAYERS: dict[str, int] = {
-    # 0: the exception types and message helpers every file raises with
-    f"{T}.errors": 0,
+    # 0: the framework's exception types and message helpers every file raises with; the folders' docstring-only
+    #    packages
+    f"{T}.errors": 0, **{f"{T}.{folder}": 0 for folder in (
+        "checkpointing", "cli", "cluster", "data", "evaluation", "launch", "logs", "loop", "scaling", "strategies.ps",
+        "strategies.pipeline")},
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
     #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, where
     #    the running script called us (under its main guard or not), and glibc's malloc settings
-    f"{T}.environment": 1, f"{T}.rng": 1, f"{T}.runs": 1, f"{T}.faults": 1, f"{T}.checkpoint": 1,
-    f"{T}.batches": 1, f"{C}.base": 1, f"{T}.combined": 1, f"{T}.hparams": 1, f"{T}.script_guard": 1,
-    f"{T}.samplers": 1, f"{T}.host_memory": 1,
-    # 2: the metric writers (CSV, TensorBoard); the option schema checks a `loggers` entry against their base class;
-    #    the forkserver that the workers of a spawned job fork from (it asks where the script called us)
-    f"{T}.loggers": 2, f"{T}.warm_start": 2,
-    #    and the checks every node of a multi-node job runs before the nodes meet
-    f"{T}.node_checks": 2,
-    # 3: the option schema: every Trainer option, its checks, the run's config.yaml; the evaluator's record of a run
-    f"{T}.config": 3, f"{T}.evaluation_record": 3,
+    f"{T}.cluster.environment": 1, f"{T}.loop.rng": 1, f"{T}.logs.runs": 1, f"{T}.loop.faults": 1,
+    f"{T}.checkpointing.files": 1, f"{T}.data.batches": 1, f"{C}.base": 1, f"{T}.data.combined": 1,
+    f"{T}.checkpointing.hparams": 1, f"{T}.cluster.script_guard": 1, f"{T}.data.samplers": 1,
+    f"{T}.loop.host_memory": 1,
+    # 2: the metric writers (CSV, TensorBoard, MLflow), and Lightning's import path for them; the forkserver that the
+    #    workers of a spawned job fork from (it asks where the script called us); the checks every node of a
+    #    multi-node job runs before the nodes meet; the evaluator's record of a run
+    f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
+    f"{T}.logs.evaluations": 3,
+    # 3: the option schema: every Trainer option and its checks
+    f"{T}.config": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table
-    f"{T}.optim": 4, f"{T}.precision": 4, f"{T}.options_table": 4,
-    # 5: the user's base class
-    f"{T}.module": 5,
-    # 6: the user's DataModule and the loaders built from it
-    f"{T}.data": 6,
+    f"{T}.optim": 4, f"{T}.precision": 4, f"{T}.cli.options_table": 4,
+    # 5: the user's base classes
+    f"{T}.module": 5, f"{T}.datamodule": 6,
+    # 6: the loaders built from the user's
+    f"{T}.data.loaders": 7,
     # 7: what is built on the loaders: metric collection, and prediction outputs merged across ranks
-    f"{T}.logging": 7, f"{T}.predictions": 7,
+    f"{T}.logs.metrics": 8, f"{T}.evaluation.predictions": 8,
     # 8-11: the strategies: shared pieces, then the strategies, each above the ones it extends
-    f"{T}.strategies.distributed": 8, f"{T}.strategies.pipeline_split": 8, f"{T}.strategies.base": 8,
-    f"{T}.strategies.comm_timing": 8,
-    f"{T}.strategies": 9, f"{T}.strategies.process_group": 9, f"{T}.strategies.single": 9,
-    f"{T}.strategies.dp": 9, f"{T}.strategies.ps_server": 9,
-    f"{T}.strategies.fsdp_checkpoint": 9,
-    f"{T}.strategies.ddp": 10, f"{T}.strategies.ps_client": 10, f"{T}.strategies.fsdp": 10,
-    f"{T}.strategies.ps": 11, f"{T}.strategies.pipeline": 11,
-    # 12: the pieces of a run: loop counters, one step, checkpoint state, hook dispatch, resuming
-    f"{T}.loop_state": 12, f"{T}.step": 12, f"{T}.state": 12, f"{T}.hooks": 12, f"{T}.resume": 12,
-    # 13: the fit / evaluation / predict loops
-    f"{T}.loop": 13,
-    # 14-15: the built-in callbacks, then their package (trainer.py builds the default ones)
-    f"{C}.checkpoint": 14, f"{C}.early_stopping": 14, f"{C}.lr_monitor": 14, f"{C}.prediction_writer": 14,
-    f"{C}.progress": 14, f"{C}.gradient_accumulation": 14, f"{C}.profilers": 14, f"{C}.summary": 14, f"{C}.timer": 14,
+    f"{T}.strategies.distributed": 9, f"{T}.strategies.pipeline.split": 9, f"{T}.strategies.base": 9,
+    f"{T}.strategies.comm_timing": 9,
+    f"{T}.strategies": 10, f"{T}.strategies.process_group": 10, f"{T}.strategies.single": 10,
+    f"{T}.strategies.dp": 10, f"{T}.strategies.ps.server": 10,
+    f"{T}.strategies.fsdp_checkpoint": 10,
+    f"{T}.strategies.ddp": 11, f"{T}.strategies.ps.client": 11, f"{T}.strategies.fsdp": 11,
+    f"{T}.strategies.ps.strategy": 12, f"{T}.strategies.pipeline.strategy": 12,
+    # 13: the pieces of a run: loop counters, one step, checkpoint state, hook dispatch, resuming
+    f"{T}.loop.progress": 13, f"{T}.loop.step": 13, f"{T}.checkpointing.state": 13, f"{T}.loop.hooks": 13,
+    f"{T}.checkpointing.resume": 13,
+    # 14: the fit / evaluation / predict loops
+    f"{T}.loop.loops": 14,
+    # 15-16: the built-in callbacks, then their package (trainer.py builds the default ones)
+    f"{C}.checkpoint": 15, f"{C}.early_stopping": 15, f"{C}.lr_monitor": 15, f"{C}.prediction_writer": 15,
+    f"{C}.progress": 15, f"{C}.gradient_accumulation": 15, f"{C}.profilers": 15, f"{C}.summary": 15, f"{C}.timer": 15,
     #     and the evaluator side process's callback (it validates with the Trainer class it is handed, not imports)
-    f"{T}.evaluator": 14, f"{C}.step_timing": 14,
-    C: 15,
-    # 15: a script without a main guard re-run for the job's other ranks (Lightning's launch), which launcher uses
-    f"{T}.script_launch": 15,
-    # 16: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
+    f"{T}.evaluation.evaluator": 15, f"{C}.step_timing": 15,
+    C: 16,
+    # 16: a script without a main guard re-run for the job's other ranks (Lightning's launch), which launcher uses
+    f"{T}.launch.script_launch": 16,
+    # 17: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
-    f"{T}.preflight": 16, f"{T}.launcher": 16, f"{T}.ray_launcher": 16, f"{T}.trainer_properties": 16,
-    # 17: the Trainer
-    f"{T}.trainer": 17,
-    # 18: the package's public names (lazily), recipe class checks, plots of finished runs
-    T: 18, f"{T}.signatures": 18, f"{T}.plot": 18,
-    # 19-22: the YAML recipes and the command line on top of them
-    f"{T}.recipe": 19, f"{T}.submit": 20, f"{T}.hosts": 20, f"{T}.cli": 21, f"{T}.__main__": 22,
-    # 18-20: the report of a scaling study, then the study itself (runs recipes at layouts: the recipe layer)
-    f"{T}.scale_report": 18, f"{T}.scale": 20,
+    f"{T}.preflight": 17, f"{T}.launch.elastic": 17, f"{T}.launch.ray_actors": 17, f"{T}.trainer_properties": 17,
+    # 18: the Trainer
+    f"{T}.trainer": 18,
+    # 19: the package's public names (lazily), recipe class checks, plots of finished runs
+    T: 19, f"{T}.cli.signatures": 19, f"{T}.logs.plot": 19,
+    # 20-23: the YAML recipes and the command line on top of them
+    f"{T}.cli.recipe": 20, f"{T}.launch.slurm_submit": 21, f"{T}.launch.ssh_hosts": 21, f"{T}.cli.main": 22,
+    f"{T}.__main__": 23,
+    # 19-21: the report of a scaling study, then the study itself (runs recipes at layouts: the recipe layer)
+    f"{T}.scaling.report": 19, f"{T}.scaling.study": 21,
 }
 
 # Same-layer imports that are allowed, (importer, imported): reason.
 SAME_LAYER: dict[tuple[str, str], str] = {
-    (f"{T}.ray_launcher", f"{T}.launcher"): "a Ray worker's failure is raised as a self-launched one's",
+    (f"{T}.launch.ray_actors", f"{T}.launch.elastic"): "a Ray worker's failure is raised as a self-launched one's",
 }
 
 CLI_REASON = "the CLI imports the framework (and with it torch) inside a command, so that `trainer --help` is fast"
 FUNCTION_LOCAL: dict[tuple[str, str], str] = {
-    (f"{T}.cli", T): CLI_REASON,
-    (f"{T}.cli", f"{T}.recipe"): CLI_REASON,
-    (f"{T}.cli", f"{T}.resume"): CLI_REASON,
-    (f"{T}.cli", f"{T}.batches"): CLI_REASON,
-    (f"{T}.cli", f"{T}.checkpoint"): CLI_REASON,
-    (f"{T}.cli", f"{T}.strategies.fsdp_checkpoint"): CLI_REASON,
-    (f"{T}.cli", f"{T}.plot"): "matplotlib, needed only by `trainer plot`",
-    (f"{T}.submit", f"{T}.recipe"): CLI_REASON,
-    (f"{T}.hosts", f"{T}.recipe"): CLI_REASON,
-    (f"{T}.cli", f"{T}.scale"): CLI_REASON,
-    (f"{T}.trainer", f"{T}.launcher"): "torch's elastic agent takes 150 ms to import; only a started job needs it",
-    (f"{T}.cli", f"{T}.evaluator"): CLI_REASON,
-    (f"{T}.trainer", f"{T}.ray_launcher"): "it imports the elastic agent's launcher; only launcher='ray' needs it",
+    (f"{T}.cli.main", T): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.cli.recipe"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.checkpointing.resume"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.data.batches"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.checkpointing.files"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.strategies.fsdp_checkpoint"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.logs.plot"): "matplotlib, needed only by `trainer plot`",
+    (f"{T}.launch.slurm_submit", f"{T}.cli.recipe"): CLI_REASON,
+    (f"{T}.launch.ssh_hosts", f"{T}.cli.recipe"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.scaling.study"): CLI_REASON,
+    (f"{T}.trainer", f"{T}.launch.elastic"): "torch's elastic agent takes 150 ms to import; only a started job needs "
+                                            "it",
+    (f"{T}.cli.main", f"{T}.evaluation.evaluator"): CLI_REASON,
+    (f"{T}.trainer", f"{T}.launch.ray_actors"): "it imports the elastic agent's launcher; only launcher='ray' needs it",
+    (f"{T}.config", f"{T}.logs.loggers"): "every folder reads the option schema, so it sits below the loggers it names",
 }
+
+# Which folder's modules may import which other folder's, at module level (TYPE_CHECKING and listed function-local
+# imports exempt). "root" is trainer/'s own files: the user-facing classes (Trainer, TrainModule, DataModule), the
+# option schema, optimizers, precision and the exception types. The module layers above keep the import graph free of
+# cycles; this table says which concern may lean on which, so that a new edge is a decision, not an accident.
+# Folders importing only downwards in it: cluster and data know no loop, strategy or launcher; strategies know no
+# loop or launcher (a strategy never touches the loop); nothing but the command line and scaling imports cli.
+FOLDER_IMPORTS: dict[str, set[str]] = {
+    "root": {"callbacks", "checkpointing", "cli", "data", "evaluation", "launch", "logs", "loop", "strategies"},
+    "cluster": {"root"},
+    "data": {"root", "cluster"},
+    "logs": {"root", "data"},
+    "checkpointing": {"root", "logs", "loop"},
+    "strategies": {"root", "checkpointing", "cluster", "data", "logs"},
+    "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
+    "loop": {"root", "callbacks", "data", "evaluation", "strategies"},
+    "callbacks": {"root", "checkpointing", "data", "logs"},
+    "launch": {"root", "cluster", "loop"},
+    "cli": {"root", "callbacks", "checkpointing", "cluster", "data", "launch", "logs", "strategies"},
+    "scaling": {"root", "callbacks", "cli", "cluster", "logs", "strategies"},
+}
+MAX_FOLDER_MODULES = 12  # a folder of more is two ideas: split it
+
+
+def folder_of(module: str) -> str:
+    """The concern a module belongs to: its folder under trainer/, 'callbacks', or 'root'."""
+    if module == C or module.startswith(C + "."):
+        return "callbacks"
+    parts = module.split(".")
+    if len(parts) > 3 or (len(parts) == 3 and parts[2] in FOLDER_IMPORTS):
+        return parts[2]
+    return "root"
+
+
+def check_folders(module: str, source: str, where: str | None = None, known: set[str] | None = None) -> list[str]:
+    """Every module-level import of `source` from a folder that FOLDER_IMPORTS does not let `module`'s folder import."""
+    where = where or module
+    known = set(LAYERS) if known is None else known
+    mine, problems = folder_of(module), []
+    for node, in_function in _imports(ast.parse(source)):
+        if in_function:
+            continue
+        for target, _ in _targets(node, module, where.endswith("__init__.py"), known):
+            if not target.startswith("torchyard.") or target.startswith(RECIPES):
+                continue
+            theirs = folder_of(target)
+            if theirs != mine and theirs not in FOLDER_IMPORTS.get(mine, set()):
+                problems.append(f"{where}:{node.lineno}: {module} ({mine}/) imports {target} ({theirs}/), which "
+                                f"FOLDER_IMPORTS does not allow {mine}/ (folder rule)")
+    return problems
+
 
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 500
@@ -252,6 +311,19 @@ def test_the_framework_keeps_its_layers_its_function_local_imports_and_its_shape
     assert not problems, "\n".join(problems)
 
 
+def test_each_folder_imports_only_the_folders_it_may_and_holds_at_most_a_dozen_modules():
+    files = framework_files()
+    problems = [problem for module, path in files.items()
+                for problem in check_folders(module, path.read_text(), str(path.relative_to(ROOT)), set(files))]
+    assert not problems, "\n".join(problems)
+    assert set(FOLDER_IMPORTS) == {folder_of(module) for module in files}
+    for folder in (ROOT / "trainer").rglob("*/"):
+        if (folder / "__init__.py").exists():
+            modules = [path for path in folder.glob("*.py") if path.name != "__init__.py"]
+            assert len(modules) <= MAX_FOLDER_MODULES, f"trainer/{folder.name}/ holds {len(modules)} modules"
+    assert len([path for path in (ROOT / "trainer").glob("*.py")]) <= MAX_FOLDER_MODULES + 2  # + __init__, __main__
+
+
 def test_every_allowed_function_local_import_is_still_there():
     used = set()
     for module, path in framework_files().items():
@@ -269,21 +341,42 @@ def test_every_allowed_function_local_import_is_still_there():
 
 @pytest.mark.parametrize(("module", "source", "expected"), [
     (f"{T}.module", "from torchyard.trainer.trainer import Trainer\n",
-     f"{T}.module:1: {T}.module (layer 5) imports {T}.trainer (layer 17): a module imports only lower layers "
+     f"{T}.module:1: {T}.module (layer 5) imports {T}.trainer (layer 18): a module imports only lower layers "
      "(layering rule)"),
-    (f"{T}.config", "from torchyard.trainer import loop\n",
-     f"{T}.config:1: {T}.config (layer 3) imports {T}.loop (layer 13)"),
-    (f"{T}.data", "from . import module as m\nfrom .strategies import base\n",
-     f"{T}.data:2: {T}.data (layer 6) imports {T}.strategies.base (layer 8)"),
+    (f"{T}.config", "from torchyard.trainer.loop import loops\n",
+     f"{T}.config:1: {T}.config (layer 3) imports {T}.loop.loops (layer 14)"),
+    (f"{T}.data.loaders", "from .. import module as m\nfrom ..strategies import base\n",
+     f"{T}.data.loaders:2: {T}.data.loaders (layer 7) imports {T}.strategies.base (layer 9)"),
     (f"{T}.trainer", "from torchyard.recipes.digits import DigitsModule\n",
      f"{T}.trainer:1: {T}.trainer imports {RECIPES}.digits: the framework never imports the recipes"),
     (f"{T}.newfile", "x = 1\n", f"{T}.newfile: {T}.newfile has no layer"),
-    (f"{T}.step", "from torchyard.trainer.data import _private_helper\n",
-     f"{T}.step:1: {T}.step imports the private name _private_helper from {T}.data: make it public"),
+    (f"{T}.loop.step", "from torchyard.trainer.data.loaders import _private_helper\n",
+     f"{T}.loop.step:1: {T}.loop.step imports the private name _private_helper from {T}.data.loaders: make it public"),
 ])
 def test_the_layering_checker_reports_an_upward_import(module, source, expected):
     problems = check_source(module, source, known=set(LAYERS))
     assert any(problem.startswith(expected) for problem in problems), problems
+
+
+@pytest.mark.parametrize(("module", "source", "expected"), [
+    (f"{T}.strategies.ddp", "from torchyard.trainer.loop.step import run_step\n",
+     f"{T}.strategies.ddp:1: {T}.strategies.ddp (strategies/) imports {T}.loop.step (loop/), which FOLDER_IMPORTS "
+     "does not allow strategies/ (folder rule)"),
+    (f"{T}.data.loaders", "from torchyard.trainer.launch import elastic\n",
+     f"{T}.data.loaders:1: {T}.data.loaders (data/) imports {T}.launch.elastic (launch/)"),
+    (f"{T}.cluster.environment", "import torchyard.trainer.cli.main\n",
+     f"{T}.cluster.environment:1: {T}.cluster.environment (cluster/) imports {T}.cli.main (cli/)"),
+])
+def test_the_folder_checker_reports_an_import_its_folder_may_not_make(module, source, expected):
+    problems = check_folders(module, source)
+    assert any(problem.startswith(expected) for problem in problems), problems
+
+
+def test_the_folder_checker_takes_its_own_folder_allowed_folders_and_type_checking_imports():
+    source = ("from typing import TYPE_CHECKING\nfrom torchyard.trainer.loop import rng\n"
+              "from torchyard.trainer.cluster.environment import ClusterEnvironment\n"
+              "if TYPE_CHECKING:\n    from torchyard.trainer.trainer import Trainer\n")
+    assert check_folders(f"{T}.launch.elastic", source) == []
 
 
 def test_the_layering_checker_takes_type_checking_imports_and_lower_layers():
@@ -294,25 +387,25 @@ def test_the_layering_checker_takes_type_checking_imports_and_lower_layers():
 
 def test_the_function_local_checker_reports_an_unlisted_import():
     source = "def f():\n    from torchyard.trainer.errors import MisconfigurationError\n    return 1\n"
-    assert check_source(f"{T}.data", source) == [
-        f"{T}.data:2: {T}.data imports {T}.errors inside a function: import it at the top, or add (file, module) "
-        "with its reason to FUNCTION_LOCAL (function-local import rule)"]
+    assert check_source(f"{T}.data.loaders", source) == [
+        f"{T}.data.loaders:2: {T}.data.loaders imports {T}.errors inside a function: import it at the top, or add "
+        "(file, module) with its reason to FUNCTION_LOCAL (function-local import rule)"]
 
 
 def test_the_function_local_checker_wants_a_comment_on_a_listed_import():
-    bare = "def plot(args):\n    from torchyard.trainer.plot import plot_runs\n"
+    bare = "def plot(args):\n    from torchyard.trainer.logs.plot import plot_runs\n"
     commented = (
-        "def plot(args):\n    # matplotlib: only this command needs it\n    from torchyard.trainer.plot import x\n"
+        "def plot(args):\n    # matplotlib: only this command needs it\n    from torchyard.trainer.logs.plot import x\n"
     )
-    assert check_source(f"{T}.cli", bare) == [
-        f"{T}.cli:2: {T}.cli imports {T}.plot inside a function without a comment saying why "
+    assert check_source(f"{T}.cli.main", bare) == [
+        f"{T}.cli.main:2: {T}.cli.main imports {T}.logs.plot inside a function without a comment saying why "
         "(function-local import rule)"]
-    assert check_source(f"{T}.cli", commented) == []
+    assert check_source(f"{T}.cli.main", commented) == []
 
 
 def test_the_shape_checker_reports_a_long_function_and_a_long_file():
     long_function = "def f():\n" + "    x = 1\n" * 59 + "    return x\n"  # 61 lines
-    assert check_source(f"{T}.step", long_function) == [
-        f"{T}.step:1: function f has 61 lines, over 60 (shape rule)"]
-    assert check_source(f"{T}.step", "def f():\n" + "    x = 1\n" * 58 + "    return x\n") == []  # 60 lines
-    assert check_source(f"{T}.step", "x = 1\n" * 501) == [f"{T}.step: 501 lines, over 500 (shape rule)"]
+    assert check_source(f"{T}.loop.step", long_function) == [
+        f"{T}.loop.step:1: function f has 61 lines, over 60 (shape rule)"]
+    assert check_source(f"{T}.loop.step", "def f():\n" + "    x = 1\n" * 58 + "    return x\n") == []  # 60 lines
+    assert check_source(f"{T}.loop.step", "x = 1\n" * 501) == [f"{T}.loop.step: 501 lines, over 500 (shape rule)"]

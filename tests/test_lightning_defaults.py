@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.trainer import Trainer
-from torchyard.trainer.combined import CombinedLoader
+from torchyard.trainer.data.combined import CombinedLoader
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.ddp import DDPStrategy
 from torchyard.trainer.strategies.single import SingleDeviceStrategy

@@ -488,7 +488,7 @@ def test_progress_bar_metrics_are_floats_named_as_in_lightning(datasets, tmp_pat
 def test_sync_dist_reduces_training_step_values_but_leaves_evaluation_step_values_to_their_rank():
     """Evaluation ranks may run one batch more or fewer than each other: a per-batch reduction there could
     wait forever for a rank that has finished, so it is taken per epoch only."""
-    from torchyard.trainer.logging import MetricCollector
+    from torchyard.trainer.logs.metrics import MetricCollector
 
     reduced = []
     metrics = MetricCollector(lambda tensor, op: reduced.append(op) or tensor * 2)
@@ -538,7 +538,7 @@ def test_a_fit_too_short_for_its_logging_interval_says_so(datasets, tmp_path):
 
 
 def test_a_torchrun_jobs_folder_is_the_one_its_run_id_marked_last(tmp_path):
-    from torchyard.trainer.runs import RUN_ID_FILE, version_of_job
+    from torchyard.trainer.logs.runs import RUN_ID_FILE, version_of_job
 
     for version, when in (("version_0", 1_000), ("version_1", 2_000), ("version_2", 3_000)):
         (tmp_path / "exp" / version).mkdir(parents=True)
@@ -550,7 +550,7 @@ def test_a_torchrun_jobs_folder_is_the_one_its_run_id_marked_last(tmp_path):
 
 
 def test_half_precision_step_values_are_float32_as_in_lightning():
-    from torchyard.trainer.logging import MetricCollector
+    from torchyard.trainer.logs.metrics import MetricCollector
 
     metrics = MetricCollector(lambda tensor, op: tensor)
     metrics.log("loss", torch.tensor(0.5, dtype=torch.bfloat16, requires_grad=True) * 1, prog_bar=True, on_epoch=True)

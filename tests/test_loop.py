@@ -21,16 +21,16 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from torchyard.callbacks import Callback, ModelSummary
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.data import (
+from torchyard.trainer.cluster.environment import ClusterEnvironment
+from torchyard.trainer.data.loaders import (
     data_wait_advice,
     measure_data_wait,
     prepare_loader,
     samples_in_batches,
     worker_oversubscription,
 )
-from torchyard.trainer.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.predictions import merge_prediction_shares
+from torchyard.trainer.evaluation.predictions import merge_prediction_shares
 from torchyard.trainer.strategies.single import SingleDeviceStrategy
 
 SEED = 7
@@ -411,7 +411,7 @@ def test_a_custom_training_sampler_is_dealt_into_equal_shards_and_evaluation_int
 
 def test_an_evaluation_slice_without_batches_is_refused_on_every_rank_alike():
     """One validation sample for two processes: rank 1 would never join rank 0's end-of-epoch reduction."""
-    from torchyard.trainer.loop import _check_every_rank_evaluates
+    from torchyard.trainer.loop.loops import _check_every_rank_evaluates
 
     for rank in (0, 1):
         loader = prepare_loader(DataLoader(regression_data(1), batch_size=4), train=False, num_replicas=2, rank=rank)
@@ -522,7 +522,7 @@ def test_measured_data_wait_is_the_share_of_time_spent_fetching_after_the_first_
 
 
 def test_data_wait_advice_asks_for_the_workers_a_gpu_process_can_use(monkeypatch):
-    monkeypatch.setattr("torchyard.trainer.data.usable_cores", lambda: 8)
+    monkeypatch.setattr("torchyard.trainer.data.loaders.usable_cores", lambda: 8)
     advice = data_wait_advice(0.6, 0.01, num_workers=0, local_processes=2, device_type="cuda")
     assert advice is not None and "60% of the time" in advice and "num_workers=0; num_workers=4 would" in advice
     assert data_wait_advice(0.6, 0.01, num_workers=4, local_processes=2, device_type="cuda") is None  # has them
@@ -533,7 +533,7 @@ def test_data_wait_advice_asks_for_the_workers_a_gpu_process_can_use(monkeypatch
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch, about the real cores
 def test_loader_workers_of_all_processes_on_a_node_are_counted_against_its_cores(monkeypatch):
-    monkeypatch.setattr("torchyard.trainer.data.usable_cores", lambda: 4)
+    monkeypatch.setattr("torchyard.trainer.data.loaders.usable_cores", lambda: 4)
     loader = DataLoader(regression_data(8), num_workers=3)
     warning = worker_oversubscription(loader, "training", local_processes=2)
     assert warning == (
@@ -546,7 +546,7 @@ def test_loader_workers_of_all_processes_on_a_node_are_counted_against_its_cores
 
 
 def test_fit_warns_about_workers_that_the_nodes_processes_start_together(monkeypatch, tmp_path):
-    monkeypatch.setattr("torchyard.trainer.data.usable_cores", lambda: 2)
+    monkeypatch.setattr("torchyard.trainer.data.loaders.usable_cores", lambda: 2)
     monkeypatch.setattr(
         SingleDeviceStrategy, "detect_environment", lambda self: ClusterEnvironment("local", local_world_size=2)
     )

@@ -1,4 +1,4 @@
-"""trainer/node_checks.py: the checks every node of a multi-node job runs before the nodes meet."""
+"""trainer/cluster/node_checks.py: the checks every node of a multi-node job runs before the nodes meet."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from processes import reaped
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer import node_checks as checks
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cluster import node_checks as checks
+from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 
 

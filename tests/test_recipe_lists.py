@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from torchyard.trainer.cli import main
+from torchyard.trainer.cli.main import main
+from torchyard.trainer.cli.recipe import load_recipe
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.recipe import load_recipe
 
 BASE = """
 trainer: {name: base, max_epochs: 1}

@@ -12,8 +12,8 @@ import yaml
 
 from torchyard.recipes.charlm import CharBlocks, CharData, CharLM, decode, encode, read_corpus
 from torchyard.recipes.digits import DigitsCNN, DigitsData
-from torchyard.trainer.checkpoint import load_checkpoint_file
-from torchyard.trainer.cli import main
+from torchyard.trainer.checkpointing.files import load_checkpoint_file
+from torchyard.trainer.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO / "recipes" / "digits.yaml")

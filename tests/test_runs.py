@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from processes import reaped
 
-from torchyard.trainer.runs import VersionClaim
+from torchyard.trainer.logs.runs import VersionClaim
 
 SCRIPT = Path(__file__).parent / "version_race" / "race_script.py"
 RUNS = 8

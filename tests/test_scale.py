@@ -1,4 +1,4 @@
-"""`trainer scale` (trainer/scale.py, scale_report.py) and the StepTiming callback it times each run with.
+"""`trainer scale` (trainer/scaling/study.py, scale_report.py) and the StepTiming callback it times each run with.
 
 In-process: every check before a run, the recipe and commands of a layout, the report's numbers from StepTiming
 files, StepTiming in a real one-process fit. Slow: a tiny study on this machine (a baseline and a 2-node layout).
@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchyard.callbacks import StepTiming
 from torchyard.callbacks.step_timing import batch_size, parse_target, transfer_seconds
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.cli import main
+from torchyard.trainer.cli.main import main
+from torchyard.trainer.cli.recipe import load_recipe
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.recipe import load_recipe
-from torchyard.trainer.scale import (
+from torchyard.trainer.scaling.report import add_speedups, draw_study, row_from_timing, verdict
+from torchyard.trainer.scaling.study import (
     agent_commands,
     last_error_line,
     layout_recipe,
@@ -34,7 +35,6 @@ from torchyard.trainer.scale import (
     plan_layouts,
     plan_study,
 )
-from torchyard.trainer.scale_report import add_speedups, draw_study, row_from_timing, verdict
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO / "recipes" / "digits.yaml")

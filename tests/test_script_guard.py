@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from torchyard.trainer.script_guard import guard_holds
+from torchyard.trainer.cluster.script_guard import guard_holds
 
 SCRIPT = textwrap.dedent('''
     import sys

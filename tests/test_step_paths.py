@@ -15,9 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.faults import NonFiniteLossError
-from torchyard.trainer.step import TrainStep
+from torchyard.trainer.errors import MisconfigurationError, NonFiniteLossError
+from torchyard.trainer.loop.step import TrainStep
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
              num_sanity_val_steps=0)

@@ -15,8 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback, EarlyStopping, ModelCheckpoint, RichProgressBar
 from torchyard.trainer import DataModule, Trainer, TrainModule
-from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.faults import NonFiniteLossError
+from torchyard.trainer.errors import MisconfigurationError, NonFiniteLossError
 from torchyard.trainer.optim import check_closure_optimizer
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,

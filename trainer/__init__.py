@@ -9,18 +9,18 @@ from typing import TYPE_CHECKING, Any
 from torchyard.trainer.errors import format_warning
 
 if TYPE_CHECKING:
-    from torchyard.trainer.data import DataModule
+    from torchyard.trainer.datamodule import DataModule
+    from torchyard.trainer.loop.rng import seed_everything
     from torchyard.trainer.module import TrainModule
-    from torchyard.trainer.rng import seed_everything
     from torchyard.trainer.trainer import Trainer
 
 __all__ = ["DataModule", "TrainModule", "Trainer", "seed_everything"]
 # Imported on first use, not with the package: these import torch (seconds), and the `trainer` command's
 # --help and `config --reference` run inside this package without needing it.
 _LAZY = {
-    "DataModule": "torchyard.trainer.data",
+    "DataModule": "torchyard.trainer.datamodule",
     "TrainModule": "torchyard.trainer.module",
-    "seed_everything": "torchyard.trainer.rng",
+    "seed_everything": "torchyard.trainer.loop.rng",
     "Trainer": "torchyard.trainer.trainer",
 }
 warnings.formatwarning = format_warning  # the framework's warnings show no framework file:line (see format_warning)

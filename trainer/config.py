@@ -16,11 +16,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from torchyard.trainer.errors import MisconfigurationError, closest
-from torchyard.trainer.loggers import Logger, atomic_write_text
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 # Lightning's other spellings of the same three, so that a ported Trainer(precision=...) keeps working.
@@ -183,7 +181,7 @@ EVALUATOR_ACCELERATORS = ("auto", "cpu", "cuda")
 
 @dataclass
 class EvaluatorConfig:
-    """The evaluator side process (trainer/evaluator.py): `Trainer(evaluator={...})`, a recipe's
+    """The evaluator side process (trainer/evaluation/evaluator.py): `Trainer(evaluator={...})`, a recipe's
     `trainer.evaluator`, or the options of `trainer evaluate`."""
 
     #: 'cpu', 'cuda', or 'auto': a GPU of this node that the training leaves free, else the CPU.
@@ -425,6 +423,9 @@ def _validate_choices(config: TrainerConfig) -> None:
     profiler = config.profiler
     _need(profiler is None or not isinstance(profiler, str) or profiler in PROFILERS,
           f"profiler={profiler!r} is not known; use one of {', '.join(PROFILERS)}, a profiler object, or unset.")
+    # The schema sits below the loggers it names (every folder reads its options), so their base class comes late.
+    from torchyard.trainer.logs.loggers import Logger
+
     for item in config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]:
         known = item is None or isinstance(item, bool) or item in ("csv", "tensorboard") or isinstance(item, Logger)
         _need(known, f"logger={item!r} is not known; use true, false, 'csv', 'tensorboard' or a Logger.")
@@ -454,26 +455,3 @@ def _validate_limits(config: TrainerConfig) -> None:
           "val_check_interval=0 would never validate; use a fraction in (0, 1] or a batch count.")
     _need(config.limit_train_batches != 0, "limit_train_batches=0 would train on nothing; use a fraction in (0, 1] or "
           "a batch count >= 1 (to only evaluate, call trainer.validate or trainer.test).")
-
-
-# --------------------------------------------------------------------------- run records
-
-def dump_yaml(plain: Any) -> str:
-    """Plain containers as YAML that omegaconf reads back to the same values (a literal '${' is escaped)."""
-    import yaml
-
-    def escape(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {key: escape(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [escape(item) for item in value]
-        return value.replace("${", "\\${") if isinstance(value, str) else value
-
-    return yaml.safe_dump(escape(plain), sort_keys=False, allow_unicode=True)
-
-
-def save_run_config(path: str | Path, run_config: dict[str, Any]) -> None:
-    """Write a run's resolved recipe as YAML, atomically (what `trainer fit <that file>` reruns)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, dump_yaml(run_config))

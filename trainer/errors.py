@@ -1,5 +1,5 @@
-"""The one exception type for user mistakes, so callers (the CLI above all) can print one line; and how the
-framework's warnings are shown."""
+"""The framework's exception types (a user mistake is a MisconfigurationError, so callers, the CLI above all, can print
+one line), and how the framework's warnings are shown."""
 
 from __future__ import annotations
 
@@ -18,6 +18,19 @@ class MisconfigurationError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint file cannot be used: missing, truncated, corrupt or not weights-only."""
+
+
+class Terminated(SystemExit):
+    """Raised out of fit once a SIGTERM's (or SIGINT's) checkpoint is saved; exits the process with
+    SIGTERM_EXIT_CODE (SIGINT_EXIT_CODE)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss was NaN or inf (nonfinite_loss='error')."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within Trainer(timeout=...): another rank is stuck or gone."""
 
 
 def closest(name: str, choices: Iterable[str]) -> str:

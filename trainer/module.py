@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from torchyard.trainer.batches import move_to_device
-from torchyard.trainer.checkpoint import load_checkpoint_file, load_hparams_file, weights_mismatch
+from torchyard.trainer.checkpointing.files import load_checkpoint_file, load_hparams_file, weights_mismatch
+from torchyard.trainer.checkpointing.hparams import AttributeDict, constructor_parameters, init_args
 from torchyard.trainer.config import CLIP_ALGORITHMS
+from torchyard.trainer.data.batches import move_to_device
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest
-from torchyard.trainer.hparams import AttributeDict, constructor_parameters, init_args
 from torchyard.trainer.precision import HALF_DTYPES
 
 if TYPE_CHECKING:

@@ -13,11 +13,14 @@ from torch.optim import Optimizer
 from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 from torchyard.callbacks.base import Callback
 from torchyard.callbacks.profilers import Profiler, build_profiler
-from torchyard.trainer.config import TrainerConfig, dump_yaml, save_run_config
-from torchyard.trainer.data import STAGE_LOADERS, DataModule, own_loader
+from torchyard.trainer.checkpointing.resume import shown_path
+from torchyard.trainer.config import TrainerConfig
+from torchyard.trainer.data.loaders import STAGE_LOADERS, own_loader
+from torchyard.trainer.datamodule import DataModule
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.evaluator import EvaluatorProcess
-from torchyard.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
+from torchyard.trainer.evaluation.evaluator import EvaluatorProcess
+from torchyard.trainer.logs.loggers import CSVLogger, Logger, TensorBoardLogger
+from torchyard.trainer.logs.runs import RUN_ID_FILE, dump_yaml, save_run_config
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import (
     LRScaler,
@@ -27,8 +30,6 @@ from torchyard.trainer.optim import (
     is_torch_scheduler,
     parse_optimizers,
 )
-from torchyard.trainer.resume import shown_path
-from torchyard.trainer.runs import RUN_ID_FILE
 
 if TYPE_CHECKING:
     from torchyard.trainer.trainer import Trainer

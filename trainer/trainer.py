@@ -13,17 +13,29 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchyard.callbacks.base import Callback
-from torchyard.trainer import faults, warm_start
-from torchyard.trainer.batches import batch_limit
+from torchyard.trainer.checkpointing.resume import (
+    default_ckpt_path,
+    load_resume_checkpoint,
+    resolve_ckpt_path,
+    resume_after_restart,
+)
+from torchyard.trainer.checkpointing.state import build_checkpoint, restore_checkpoint
 from torchyard.trainer.config import TrainerConfig, make_config
-from torchyard.trainer.data import DataModule, build_loaders, stage_loaders
+from torchyard.trainer.data.batches import batch_limit
+from torchyard.trainer.data.loaders import build_loaders, stage_loaders
+from torchyard.trainer.datamodule import DataModule
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.hooks import Hooks
-from torchyard.trainer.host_memory import keep_freed_memory, release_freed_memory
-from torchyard.trainer.loggers import Logger, print_results_table
-from torchyard.trainer.logging import MetricCollector
-from torchyard.trainer.loop import evaluation_loop, fit_loop, predict_loop
-from torchyard.trainer.loop_state import LoopState, Progress
+from torchyard.trainer.launch import warm_start
+from torchyard.trainer.launch.script_launch import adopt_rank_zero_rng
+from torchyard.trainer.logs.loggers import Logger, print_results_table
+from torchyard.trainer.logs.metrics import MetricCollector
+from torchyard.trainer.logs.runs import RunFolder
+from torchyard.trainer.loop import faults
+from torchyard.trainer.loop.hooks import Hooks
+from torchyard.trainer.loop.host_memory import keep_freed_memory, release_freed_memory
+from torchyard.trainer.loop.loops import evaluation_loop, fit_loop, predict_loop
+from torchyard.trainer.loop.progress import LoopState, Progress
+from torchyard.trainer.loop.rng import seed_everything, set_determinism
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
 from torchyard.trainer.preflight import (
@@ -40,16 +52,6 @@ from torchyard.trainer.preflight import (
     with_default_callbacks,
     write_run_files,
 )
-from torchyard.trainer.resume import (
-    default_ckpt_path,
-    load_resume_checkpoint,
-    resolve_ckpt_path,
-    resume_after_restart,
-)
-from torchyard.trainer.rng import seed_everything, set_determinism
-from torchyard.trainer.runs import RunFolder
-from torchyard.trainer.script_launch import adopt_rank_zero_rng
-from torchyard.trainer.state import build_checkpoint, restore_checkpoint
 from torchyard.trainer.strategies import Strategy, build_strategy
 from torchyard.trainer.strategies.base import resolve_accelerator
 from torchyard.trainer.trainer_properties import TrainerProperties
@@ -176,7 +178,8 @@ class Trainer(TrainerProperties):
         on_ray = self.config.launcher == "ray"  # Ray starts even one process: on the cluster, not here
         if (self.strategy.job_size > 1 or on_ray) and not environment.launched:
             # Imported here: torch's elastic agent takes 150 ms to import, needed only to start processes.
-            from torchyard.trainer import launcher, ray_launcher
+            from torchyard.trainer.launch import elastic as launcher
+            from torchyard.trainer.launch import ray_actors as ray_launcher
 
             start = ray_launcher.launch if on_ray else launcher.launch
             outcome = start(self, stage, module, datamodule, ckpt, *loaders)
@@ -275,7 +278,7 @@ class Trainer(TrainerProperties):
             strategy.gather_module()
         if hand_back:
             # Imported here: the launcher imports torch's elastic agent (150 ms), which only a started job needs.
-            from torchyard.trainer import launcher
+            from torchyard.trainer.launch import elastic as launcher
 
             # Every rank joins: gathering a split model's weights (pipeline) is a collective. It leaves the
             # whole model on every rank, so each node's first rank hands it to the script on its node.
@@ -360,7 +363,7 @@ class Trainer(TrainerProperties):
             self.strategy.finish_checkpoints()
 
     def checkpoint_state(self, weights_only: bool = False) -> dict[str, Any]:
-        """The checkpoint dict (format: trainer/checkpoint.py). A collective: call on every rank."""
+        """The checkpoint dict (format: trainer/checkpointing/files.py). A collective: call on every rank."""
         if self.loop_state.read_losses is not None:
             self.loop_state.read_losses()
         return build_checkpoint(self, weights_only)

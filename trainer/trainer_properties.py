@@ -10,10 +10,10 @@ import torch
 from torchyard.callbacks import EarlyStopping, GradientAccumulationScheduler, ModelCheckpoint
 from torchyard.callbacks.base import Callback
 from torchyard.callbacks.profilers import Profiler
-from torchyard.trainer.batches import batch_limit
-from torchyard.trainer.hooks import Hooks
-from torchyard.trainer.loggers import Logger
-from torchyard.trainer.loop_state import LoopState
+from torchyard.trainer.data.batches import batch_limit
+from torchyard.trainer.logs.loggers import Logger
+from torchyard.trainer.loop.hooks import Hooks
+from torchyard.trainer.loop.progress import LoopState
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule

@@ -16,7 +16,7 @@ import pytest
 import torch
 from processes import reaped
 
-from torchyard.trainer.checkpoint import load_checkpoint_file
+from torchyard.trainer.checkpointing.files import load_checkpoint_file
 
 pytestmark = pytest.mark.slow
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

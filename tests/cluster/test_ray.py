@@ -1,4 +1,4 @@
-"""The Ray launcher (trainer/ray_launcher.py) on a real Ray cluster of two nodes on this machine (conftest.py's
+"""The Ray launcher (trainer/launch/ray_actors.py) on a real Ray cluster of two nodes on this machine (conftest.py's
 `ray_cluster`): ddp through Ray, with a rank SIGKILLed and max_restarts=1, resumes from the last checkpoint and
 ends on the self-launch's weights and metrics bitwise; an address with no cluster, and options that do not fit
 together, are one-line errors before anything starts.
@@ -21,8 +21,8 @@ from faults.fault_script import KillAt, Net, fit, loaders, starts
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer
-from torchyard.trainer.cli import main
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cli.main import main
+from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -158,7 +158,7 @@ def test_ranks_on_gpus_through_a_local_ray_cluster_match_the_self_launch(tmp_pat
 def test_a_ranks_failure_is_raised_in_the_caller_as_the_rank_raised_it():
     """What ends the job when no restart is left: the record a rank's actor returns, turned into the exception raised
     in the calling script (the two-node test above sees the same error announced before its restart)."""
-    from torchyard.trainer import ray_launcher
+    from torchyard.trainer.launch import ray_actors as ray_launcher
 
     try:
         raise ValueError("batch 3 has no labels")

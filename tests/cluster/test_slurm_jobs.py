@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchyard.trainer.checkpoint import load_checkpoint_file
-from torchyard.trainer.cli import main
+from torchyard.trainer.checkpointing.files import load_checkpoint_file
+from torchyard.trainer.cli.main import main
 
 pytestmark = pytest.mark.slow
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-DETECT = ("import json, os; from torchyard.trainer.environment import detect_environment as d; e = d(); "
+DETECT = ("import json, os; from torchyard.trainer.cluster.environment import detect_environment as d; e = d(); "
           "print(json.dumps([e.name, e.global_rank, e.local_rank, e.world_size, e.local_world_size, e.node_rank, "
           "e.master_addr, 'SLURM_NTASKS_PER_NODE' in os.environ]))")
 # digits.yaml trained by DDP in the two tasks srun starts.

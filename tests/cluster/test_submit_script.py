@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchyard.trainer.cli import main
+from torchyard.trainer.cli.main import main
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

@@ -24,7 +24,7 @@ from torchyard.callbacks import (
 from torchyard.trainer import DataModule as LightningDataModule
 from torchyard.trainer import Trainer, seed_everything
 from torchyard.trainer import TrainModule as LightningModule
-from torchyard.trainer.combined import CombinedLoader  # lightning.pytorch.utilities.CombinedLoader
+from torchyard.trainer.data.combined import CombinedLoader  # lightning.pytorch.utilities.CombinedLoader
 from torchyard.trainer.loggers import CSVLogger  # lightning.pytorch.loggers
 from torchyard.trainer.strategies.ddp import DDPStrategy
 

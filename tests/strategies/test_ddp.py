@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from torchyard.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
 from torchyard.trainer import DataModule, Trainer, TrainModule
-from torchyard.trainer.environment import ClusterEnvironment, find_free_port
+from torchyard.trainer.cluster.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import build_strategy, distributed
 from torchyard.trainer.strategies.ddp import DDPStrategy
@@ -633,7 +633,7 @@ class TrainOnly(DataModule):
 def test_after_a_fit_in_started_processes_the_caller_tests_on_its_datamodule_and_cannot_save_an_absent_state(
     monkeypatch,
 ):
-    from torchyard.trainer import launcher
+    from torchyard.trainer.launch import elastic as launcher
 
     started = []
     monkeypatch.setattr(launcher, "launch", lambda trainer, stage, *run_args: started.append(stage) or {"result": None})

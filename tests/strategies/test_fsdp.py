@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader
 
 from torchyard.callbacks import ModelCheckpoint
 from torchyard.trainer import Trainer
-from torchyard.trainer.cli import main as cli
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cli.main import main as cli
+from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.strategies import build_strategy
 from torchyard.trainer.strategies.fsdp import FSDPStrategy, shard_units

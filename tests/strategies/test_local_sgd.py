@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from torchyard.trainer import Trainer
-from torchyard.trainer.cli import main
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cli.main import main
+from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import build_strategy
 

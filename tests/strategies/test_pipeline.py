@@ -24,11 +24,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchyard.callbacks import ModelCheckpoint
 from torchyard.callbacks.base import Callback
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import build_strategy
-from torchyard.trainer.strategies.pipeline import PipelineStrategy
-from torchyard.trainer.strategies.pipeline_split import build_stage_modules, stage_ownership
+from torchyard.trainer.strategies.pipeline.split import build_stage_modules, stage_ownership
+from torchyard.trainer.strategies.pipeline.strategy import PipelineStrategy
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, logger=False, accelerator="cpu")
 BATCH = 8
@@ -423,7 +423,7 @@ def test_model_errors_name_the_fix(monkeypatch):
 
     # Refused in the calling process, before any worker starts.
     started = []
-    monkeypatch.setattr("torchyard.trainer.launcher.launch", lambda *args: started.append(args))
+    monkeypatch.setattr("torchyard.trainer.launch.elastic.launch", lambda *args: started.append(args))
     trainer = Trainer(strategy={"name": "pipeline"}, devices=2, accelerator="cpu", logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(MisconfigurationError, match="must define pipeline_loss"):

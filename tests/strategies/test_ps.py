@@ -25,14 +25,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchyard.callbacks import ModelCheckpoint, Timer
 from torchyard.recipes.digits import DigitsCNN, DigitsData
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.checkpoint import load_checkpoint_file
-from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.checkpointing.files import load_checkpoint_file
+from torchyard.trainer.cluster.environment import ClusterEnvironment
+from torchyard.trainer.data.samplers import ResumableBatchSampler
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.samplers import ResumableBatchSampler
 from torchyard.trainer.strategies import build_strategy
-from torchyard.trainer.strategies.ps import ParameterServerStrategy
-from torchyard.trainer.strategies.ps_client import ClaimedBatches, check_optimizer, plan_shards
-from torchyard.trainer.strategies.ps_server import ParameterShard
+from torchyard.trainer.strategies.ps.client import ClaimedBatches, check_optimizer, plan_shards
+from torchyard.trainer.strategies.ps.server import ParameterShard
+from torchyard.trainer.strategies.ps.strategy import ParameterServerStrategy
 
 SEED, BATCH, EPOCHS = 3, 4, 2
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from processes import reaped
 
-from torchyard.trainer.environment import find_free_port
+from torchyard.trainer.cluster.environment import find_free_port
 
 SCRIPT = Path(ddp_script.__file__)
 STRATEGY_TESTS = SCRIPT.parents[1] / "strategies"

@@ -17,8 +17,8 @@ STRATEGIES: dict[str, str] = {
     "dp": "torchyard.trainer.strategies.dp:DataParallelStrategy",
     "ddp": "torchyard.trainer.strategies.ddp:DDPStrategy",
     "fsdp": "torchyard.trainer.strategies.fsdp:FSDPStrategy",
-    "pipeline": "torchyard.trainer.strategies.pipeline:PipelineStrategy",
-    "ps": "torchyard.trainer.strategies.ps:ParameterServerStrategy",
+    "pipeline": "torchyard.trainer.strategies.pipeline.strategy:PipelineStrategy",
+    "ps": "torchyard.trainer.strategies.ps.strategy:ParameterServerStrategy",
 }
 
 

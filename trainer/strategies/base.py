@@ -19,14 +19,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from torchyard.trainer.batches import move_to_device
-from torchyard.trainer.checkpoint import (
+from torchyard.trainer.checkpointing.files import (
     CheckpointFiles,
     load_checkpoint_file,
     sync_folder,
 )
-from torchyard.trainer.data import prepare_loader
-from torchyard.trainer.environment import ClusterEnvironment, detect_environment
+from torchyard.trainer.cluster.environment import ClusterEnvironment, detect_environment
+from torchyard.trainer.data.batches import move_to_device
+from torchyard.trainer.data.loaders import prepare_loader
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import TrainModule, overridden
 from torchyard.trainer.precision import Precision

@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 from typing_extensions import override
 
-from torchyard.trainer.batches import move_to_device
-from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.cluster.environment import ClusterEnvironment
+from torchyard.trainer.data.batches import move_to_device
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.base import HOST, StepDispatcher
 from torchyard.trainer.strategies.comm_timing import CommunicationTimer, timed_hook

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchyard.trainer import node_checks
-from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.cluster import node_checks
+from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -63,7 +63,8 @@ def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta, back
     """The job's TCPStore: served by rank 0 (or already by torch's elastic agent); one per process.
 
     It outlives process groups so that a group built after another was destroyed meets the same store. On a
-    job of several nodes, the nodes' checks (trainer/node_checks.py) run when it is made, before any group forms.
+    job of several nodes, the nodes' checks (trainer/cluster/node_checks.py) run when it is made, before any group
+    forms.
     """
     global _STORE
     key = (environment.master_addr, environment.master_port, environment.use_agent_store)

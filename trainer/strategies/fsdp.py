@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as checkpointed
 from typing_extensions import override
 
-from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError, closest
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.strategies.base import StepDispatcher

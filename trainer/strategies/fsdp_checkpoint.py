@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchyard.trainer.checkpoint import SHARDED_STATE_FILE, load_checkpoint_file, save_checkpoint_file
+from torchyard.trainer.checkpointing.files import SHARDED_STATE_FILE, load_checkpoint_file, save_checkpoint_file
 from torchyard.trainer.errors import CheckpointError
 
 #: Gathered whole on rank 0 (the other ranks get empty dicts), on the host: a full checkpoint never needs a

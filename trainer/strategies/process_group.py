@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from torchyard.trainer.environment import ClusterEnvironment, resolve_environment
+from torchyard.trainer.cluster.environment import ClusterEnvironment, resolve_environment
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import distributed
 from torchyard.trainer.strategies.base import Strategy

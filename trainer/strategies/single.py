@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing_extensions import override
 
-from torchyard.trainer.environment import ClusterEnvironment
+from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.base import Strategy
 

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the strategy and how a module is split into stages."""

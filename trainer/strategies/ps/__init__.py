@@ -1,0 +1,1 @@
+"""Parameter-server training: the strategy, its worker-side client and its server-side shards."""
