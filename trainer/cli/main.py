@@ -214,14 +214,13 @@ def add_scale_arguments(scale: argparse.ArgumentParser) -> None:
 def run_stage(args: argparse.Namespace) -> int:
     """fit / validate / test / predict: build everything from the recipe, then run the stage."""
     # Here, not at the top: the framework imports torch, which `trainer --help` must not wait for.
-    from torchyard.trainer import Trainer, seed_everything
+    from torchyard.trainer import Trainer
     from torchyard.trainer.cli.recipe import import_from_cwd, load_recipe
 
     import_from_cwd()
     recipe = load_recipe(args.sources)  # every check happens here, before anything is built
-    if recipe.trainer.seed is not None:
-        seed_everything(recipe.trainer.seed)  # the model's initial weights depend on it too
-    # The saved config.yaml reruns the recipe; its ckpt_path is left out so that a rerun starts afresh.
+    # The saved config.yaml reruns the recipe; its ckpt_path is left out so that a rerun starts afresh. The Trainer
+    # seeds the process (trainer.seed) as it is built: the data and model built after it start seeded.
     trainer = Trainer(callbacks=[spec.instantiate() for spec in recipe.callbacks],
                       run_config=recipe.to_dict(with_ckpt_path=False), **recipe.trainer_options())
     datamodule, module = recipe.data.instantiate(), recipe.model.instantiate()
