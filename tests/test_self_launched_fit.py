@@ -53,8 +53,9 @@ def test_a_self_launched_ddp_fit_keeps_one_run_folder_and_hands_back_its_world_s
     with pytest.warns(UserWarning) as caught:
         trainer.save_checkpoint(path)
     [note] = [str(w.message) for w in caught if "save_checkpoint" in str(w.message)]
-    assert note.startswith(f"trainer.save_checkpoint({str(path)!r}) after a fit whose 2 processes this script "
-                           "started: it saves the trained weights and hparams")
+    assert note.startswith("trainer.save_checkpoint after a fit whose 2 processes this script started saves the "
+                           "trained weights and hparams (load_from_checkpoint, validate and test read them), not the "
+                           "optimizers' state")
     last = trainer.checkpoint_callback.last_model_path
     assert Path(last).resolve() == (run / "checkpoints" / "last.ckpt").resolve()
     assert note.endswith(f"pass the run's own checkpoint as ckpt_path ({last}). weights_only=True saves the same "

@@ -66,17 +66,16 @@ def save_adopted_checkpoint(trainer: Trainer, path: str | Path, weights_only: bo
     """trainer.save_checkpoint in a script whose fit started the job's processes itself and took back their trained
     weights (as a Lightning script calls it after fit): the weights, counters and hparams, what load_from_checkpoint,
     validate and test read. The optimizers' state stayed in the job's processes, so a resume starts from the run's
-    own last checkpoint; said once per Trainer where a full checkpoint was asked for."""
+    own last checkpoint, as a warning says where a full checkpoint was asked for."""
     assert trainer.module is not None
-    if not weights_only and not trainer.__dict__.get("_adopted_save_warned"):
-        trainer.__dict__["_adopted_save_warned"] = True
+    if not weights_only:
         last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
         warnings.warn(
-            f"trainer.save_checkpoint({str(path)!r}) after a fit whose {trainer.world_size} processes this script "
-            "started: it saves the trained weights and hparams (load_from_checkpoint, validate and test read them), "
-            "not the optimizers' state, which ended with those processes; to resume training, pass the run's own "
-            f"checkpoint as ckpt_path{f' ({last})' if last else ''}. weights_only=True saves the same without this "
-            "note.", stacklevel=3)
+            f"trainer.save_checkpoint after a fit whose {trainer.world_size} processes this script started saves "
+            "the trained weights and hparams (load_from_checkpoint, validate and test read them), not the "
+            "optimizers' state, which ended with those processes; to resume training, pass the run's own checkpoint "
+            f"as ckpt_path{f' ({last})' if last else ''}. weights_only=True saves the same without this note.",
+            stacklevel=3)
     state = {name: tensor.detach().cpu() for name, tensor in trainer.module.state_dict().items()}
     return save_checkpoint_file(build_checkpoint(trainer, weights_only=True, model_state=state), path)
 
