@@ -14,6 +14,7 @@ from torchyard.callbacks.base import Callback
 from torchyard.trainer.checkpointing.resume import shown_path
 from torchyard.trainer.data.loaders import samples_in_batches
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.logs.runs import holds_run_files
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -81,6 +82,9 @@ def stop_reason(trainer: Trainer) -> str:
         reason = next((reason for reason in told if reason is not None), None)
         if reason is not None:
             return reason
+    if config.fast_dev_run:  # it sets max_epochs=1 itself: the user asked for n batches, not for an epoch
+        runs = int(config.fast_dev_run)
+        return f"fast_dev_run={runs} ran {runs} batch{'es' if runs != 1 else ''}"
     if config.max_steps != -1 and progress.global_step >= config.max_steps:
         return f"max_steps={config.max_steps} reached"
     if trainer.max_epochs != -1 and progress.epoch >= trainer.max_epochs:
@@ -157,6 +161,13 @@ class ModelSummary(Callback):
         if not trainer.is_global_zero:
             return
         reason, folder = stop_reason(trainer), shown_path(trainer.log_dir)
+        if not trainer.loggers and not holds_run_files(trainer.log_dir):
+            # Nothing was saved there, so the folder is given back at the stage's end: do not name it.
+            why = "fast_dev_run writes no logs or checkpoints" if trainer.config.fast_dev_run else (
+                "no logger, and nothing was saved in it")
+            self._print_run_summary(trainer)
+            print(f"trainer: training stopped: {reason}; no run folder ({why})", flush=True)
+            return
         if 0 < self._first_step == trainer.batches_stepped and "reached" in reason:
             # A resume of a finished run: nothing trained, so no summary of nothing.
             print(f"trainer: the run in {folder} is already complete ({reason}); nothing to train. Raise "

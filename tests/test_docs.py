@@ -110,12 +110,15 @@ def run_block(folder: Path, block: Block) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, proc.returncode, output)
 
 
-def check_quickstart(folder: Path) -> None:
+def check_quickstart(folder: Path, output: str) -> None:
     """The README's Python quick start wrote its run: a last.ckpt, the module's hyperparameters and its metrics
-    (its 24 steps are fewer than log_every_n_steps: the last one's values)."""
+    (a row every 4 of its 24 steps, and the epoch ends'), without a warning on the way (issue 51)."""
     run = folder / "runs" / "default" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "hparams.yaml").read_text().strip() == "lr: 0.01"
-    assert (run / "metrics.csv").read_text().splitlines()[0].split(",") == ["step", "train/loss", "epoch"]
+    lines = (run / "metrics.csv").read_text().splitlines()
+    assert lines[0].split(",") == ["step", "train/loss", "epoch"]
+    assert sorted({int(line.split(",")[0]) for line in lines[1:]}) == [4, 8, 12, 16, 20, 24]
+    assert "Warning" not in output and "log_every_n_steps" not in output, output
 
 
 # What some blocks leave behind, checked beyond their exit code: (page, the block's `file:` name) -> check.
@@ -130,7 +133,7 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
     assert done.returncode == 0, f"{block.id} ({block.language}) exited with {done.returncode}:\n{done.stdout[-4000:]}"
     check = OUTCOMES.get((block.page.name, block.file_name))
     if check is not None:
-        check(tmp_path)
+        check(tmp_path, done.stdout)
 
 
 def test_every_block_runs_or_says_why_not() -> None:

@@ -86,7 +86,8 @@ class TrainerConfig:
         "32", f"One of {', '.join(PRECISIONS)} (Lightning's spellings '32-true', '16' and 'bf16' are taken as those)."
     )
     seed: Any = _opt(
-        None, "Seed python, numpy and torch on every rank; also seeds the data order (default order seed 0)."
+        None, "Seed python, numpy and torch when the Trainer is built (build the module after it) and on every rank "
+              "as a stage starts; also seeds the data order (default order seed 0)."
     )
     deterministic: bool = _opt(
         False, "Ask torch for deterministic algorithms, warning where one has none (Lightning's 'warn')."

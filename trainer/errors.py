@@ -21,8 +21,8 @@ class CheckpointError(RuntimeError):
 
 
 class Terminated(SystemExit):
-    """Raised out of fit once a SIGTERM's (or SIGINT's) checkpoint is saved; exits the process with
-    SIGTERM_EXIT_CODE (SIGINT_EXIT_CODE)."""
+    """Raised out of fit once a SIGTERM's (SIGINT's, SIGHUP's) checkpoint is saved; exits the process with
+    128 + the signal: 143 (130, 129)."""
 
 
 class NonFiniteLossError(RuntimeError):

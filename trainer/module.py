@@ -93,6 +93,9 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
+        # The seed torch's generator was set with when the layers below were initialised: a Trainer(seed=...)
+        # built after the module did not seed them, and says so (rng.warn_if_weights_unseeded).
+        self._built_with_seed: int | None = torch.initial_seed()
 
     # ----------------------------------------------------------------- the steps
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -434,6 +437,7 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
         else:
             saved = {key: value for key, value in stored.items() if takes_any or key in parameters}
         module = cls(**{**saved, **hparam_overrides})
+        module._built_with_seed = None  # its weights are the checkpoint's, whatever seeded their first values
         module.on_load_checkpoint(checkpoint)
         try:
             module.load_state_dict(checkpoint["state_dict"], strict=module.strict_loading if strict is None else strict)

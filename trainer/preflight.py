@@ -19,7 +19,7 @@ from torchyard.trainer.data.loaders import STAGE_LOADERS, own_loader
 from torchyard.trainer.datamodule import DataModule
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluation.evaluator import EvaluatorProcess
-from torchyard.trainer.logs.loggers import CSVLogger, Logger, TensorBoardLogger
+from torchyard.trainer.logs.loggers import CSVLogger, Logger, TensorBoardLogger, share_run_folders
 from torchyard.trainer.logs.runs import RUN_ID_FILE, dump_yaml, save_run_config
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import (
@@ -68,6 +68,7 @@ def build_loggers(config: TrainerConfig, spec: Any) -> list[Logger]:
             loggers.append(CSVLogger(root, name))
         elif item == "tensorboard":
             loggers.append(TensorBoardLogger(root, name))
+    share_run_folders(loggers)  # one run, one folder: csv and tensorboard side by side in version_<n>
     return loggers  # anything else was refused by config.validate
 
 def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> list[Callback]:
@@ -88,7 +89,10 @@ def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> 
         if not config.enable_checkpointing:
             raise MisconfigurationError("evaluator scores the checkpoints the fit writes, but enable_checkpointing="
                                         "False writes none; drop one of the two.")
-        callbacks.append(EvaluatorProcess(config.evaluator))
+        # Ahead of the ModelSummary: it waits for the evaluator's last score in on_fit_end, so that what the
+        # evaluator prints comes before the summary's closing "training stopped" line, the fit's last.
+        summary = next((i for i, c in enumerate(callbacks) if isinstance(c, ModelSummary)), len(callbacks))
+        callbacks.insert(summary, EvaluatorProcess(config.evaluator))
     if config.max_time is not None:
         if any(issubclass(k, Timer) for k in kinds):  # Lightning ignores max_time then, with a warning
             raise MisconfigurationError("max_time and a Timer callback both time the run; give the budget to one of "

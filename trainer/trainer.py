@@ -19,7 +19,7 @@ from torchyard.trainer.checkpointing.resume import (
     resolve_ckpt_path,
     resume_after_restart,
 )
-from torchyard.trainer.checkpointing.state import build_checkpoint, restore_checkpoint
+from torchyard.trainer.checkpointing.state import build_checkpoint, restore_checkpoint, save_adopted_checkpoint
 from torchyard.trainer.config import TrainerConfig, make_config
 from torchyard.trainer.data.batches import batch_limit
 from torchyard.trainer.data.loaders import build_loaders, stage_loaders
@@ -35,7 +35,7 @@ from torchyard.trainer.loop.hooks import Hooks
 from torchyard.trainer.loop.host_memory import keep_freed_memory, release_freed_memory
 from torchyard.trainer.loop.loops import evaluation_loop, fit_loop, predict_loop
 from torchyard.trainer.loop.progress import LoopState, Progress
-from torchyard.trainer.loop.rng import seed_everything, set_determinism
+from torchyard.trainer.loop.rng import seed_everything, set_determinism, warn_if_weights_unseeded
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
 from torchyard.trainer.preflight import (
@@ -67,6 +67,8 @@ class Trainer(TrainerProperties):
     def __init__(self, *, callbacks: list[Callback] | Callback | None = None, run_config: dict[str, Any] | None = None,
                  **options: Any) -> None:
         self.config: TrainerConfig = apply_overfit_batches(apply_fast_dev_run(make_config(options)))
+        if self.config.seed is not None:  # as seed_everything at a script's top: the module built next is seeded
+            seed_everything(self.config.seed)
         # Validated here, in the calling process, before any worker starts.
         self.strategy: Strategy = build_strategy(self.config.strategy,
                                                  self.config.devices * self.config.num_nodes)
@@ -96,6 +98,7 @@ class Trainer(TrainerProperties):
         self._hooks = Hooks(self, self.callbacks, None)
         self._run_folder = RunFolder(self.config.default_root_dir, self.config.name)
         self._callbacks_configured_by: TrainModule | None = None  # the module whose configure_callbacks was applied
+        self._job_world_size: int | None = None  # set once a job this process started handed its state back
         #: The resolved recipe the `trainer` command ran; rank 0 saves it as config.yaml in the run folder.
         self.run_config = run_config
 
@@ -123,6 +126,8 @@ class Trainer(TrainerProperties):
         train_dataloaders, datamodule = datamodule_given_as_loaders(train_dataloaders, datamodule)
         check_inputs(self, module, datamodule, "fit", train_dataloaders)
         ckpt = resolve_ckpt_path(self, ckpt_path, "fit")
+        if ckpt is None:  # a resume's weights are the checkpoint's
+            warn_if_weights_unseeded(module, self.config.seed)
         self._dispatch("fit", module, datamodule, ckpt, train_dataloaders, val_dataloaders)
 
     def validate(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
@@ -197,7 +202,10 @@ class Trainer(TrainerProperties):
         """The stage in this process. `hand_back` (a worker the Trainer started): the outcome also carries the
         final state for the launching script on this node to adopt."""
         strategy = self.strategy
-        strategy.setup_environment(environment or strategy.detect_environment())
+        environment = environment or strategy.detect_environment()
+        if environment.threads is not None:  # srun's and mpirun's tasks: a share of the node's cores each
+            torch.set_num_threads(environment.threads)
+        strategy.setup_environment(environment)
         strategy.keeps_process_group = strategy.environment.launched and not hand_back
         if strategy.serve():  # a rank whose role is not the loop (a parameter server) served until the job ended
             strategy.teardown()
@@ -338,6 +346,7 @@ class Trainer(TrainerProperties):
         for logger, logger_state in zip(self.loggers, state["loggers"]):
             logger.load_state_dict(logger_state)
         self._run_folder.version = state["version"]
+        self._job_world_size = state["world_size"]  # trainer.world_size: the job's, as Lightning reports it
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path, weights_only: bool = False, *, wait: bool = True) -> None:
@@ -345,6 +354,9 @@ class Trainer(TrainerProperties):
         every rank; the strategy decides who writes). `wait=False` (ModelCheckpoint's saves) returns once the file
         is written: its fsync and rename into place finish on a thread of their own, before the next optimizer
         step or the stage's end."""
+        if self.strategy.module is None and self._job_world_size is not None and self.module is not None:
+            save_adopted_checkpoint(self, path, weights_only)  # after a fit of processes this script started
+            return
         if self.strategy.module is None:
             last = getattr(self.checkpoint_callback, "last_model_path", "")
             raise MisconfigurationError(

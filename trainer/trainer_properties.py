@@ -138,7 +138,9 @@ class TrainerProperties:
 
     @property
     def world_size(self) -> int:
-        return self.strategy.world_size
+        """The job's process count; in a script whose fit started the processes itself, theirs once it ran."""
+        job = getattr(self, "_job_world_size", None)  # carried to the workers of a later stage: theirs is their own
+        return job if job is not None and not self.strategy.environment.launched else self.strategy.world_size
 
     @property
     def is_global_zero(self) -> bool:

@@ -388,6 +388,7 @@ def test_a_rank_that_raises_stops_the_job_within_seconds_and_its_error_is_raised
     cause = str(caught.value.__cause__)
     assert cause.startswith("rank 1 of 2 failed") and "in training_step" in cause
     assert cause.count("ValueError: rank one broke on purpose") == 1
+    assert not (tmp_path / "runs").exists()  # no version folder holding only the job's restart marker (issue 51)
     notes = " ".join(getattr(caught.value, "__notes__", []))
     if notes:  # Python >= 3.11: the note names the quiet rank's output folder, kept for the user
         output = Path(re.search(r"Worker output: (\S+)\.\)", notes).group(1))

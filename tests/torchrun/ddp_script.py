@@ -91,7 +91,7 @@ def main(mode: str, out: Path, devices: int, num_nodes: int) -> None:
                       callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)] if restart else [])
     loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
     trainer.fit(module, loader)
-    if trainer.world_size == 1:  # the Trainer started the workers itself: this is the calling process
+    if not torch.distributed.is_initialized():  # the Trainer started the workers itself: this is the calling process
         torch.save(module.state_dict(), out / "caller.pt")
         return
     # Launched by torchrun or srun: the process group outlives fit, for the script's own collectives and a

@@ -5,11 +5,17 @@ trainer/checkpointing/files.py's."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchyard.trainer.checkpointing.files import CHECKPOINT_VERSION, unloadable, weights_mismatch
+from torchyard.trainer.checkpointing.files import (
+    CHECKPOINT_VERSION,
+    save_checkpoint_file,
+    unloadable,
+    weights_mismatch,
+)
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.logs.runs import run_folder
 from torchyard.trainer.loop.rng import rng_state, set_rng_state
@@ -21,19 +27,21 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- saving
 
 
-def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
+def build_checkpoint(trainer: Trainer, weights_only: bool = False,
+                     model_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The checkpoint dict of the format in trainer/checkpointing/files.py. A collective (gathers RNG states): call on
     every rank.
 
     `weights_only`: version, epoch, global_step, state_dict and the hparams, what load_from_checkpoint and the
     evaluation stages need; a fit cannot resume from it (as in Lightning, callbacks add nothing to it).
+    `model_state`: the weights to save instead of the strategy's (save_adopted_checkpoint's, where no strategy ran).
     """
     assert trainer.module is not None
     checkpoint: dict[str, Any] = {
         "version": CHECKPOINT_VERSION,
         # Lightning's top-level counters, for ported on_load_checkpoint code and tools (loops holds the rest).
         "epoch": trainer.current_epoch, "global_step": trainer.global_step,
-        "state_dict": trainer.strategy.checkpoint_model_state(),
+        "state_dict": model_state if model_state is not None else trainer.strategy.checkpoint_model_state(),
         **saved_hparams(trainer),
     }
     if not weights_only:
@@ -52,6 +60,24 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, 
             "lists, dicts or tensors there instead (e.g. float(x), x.tolist(), torch.as_tensor(x))."
         )
     return checkpoint
+
+
+def save_adopted_checkpoint(trainer: Trainer, path: str | Path, weights_only: bool) -> Path:
+    """trainer.save_checkpoint in a script whose fit started the job's processes itself and took back their trained
+    weights (as a Lightning script calls it after fit): the weights, counters and hparams, what load_from_checkpoint,
+    validate and test read. The optimizers' state stayed in the job's processes, so a resume starts from the run's
+    own last checkpoint, as a warning says where a full checkpoint was asked for."""
+    assert trainer.module is not None
+    if not weights_only:
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+        warnings.warn(
+            f"trainer.save_checkpoint after a fit whose {trainer.world_size} processes this script started saves "
+            "the trained weights and hparams (load_from_checkpoint, validate and test read them), not the "
+            "optimizers' state, which ended with those processes; to resume training, pass the run's own checkpoint "
+            f"as ckpt_path{f' ({last})' if last else ''}. weights_only=True saves the same without this note.",
+            stacklevel=3)
+    state = {name: tensor.detach().cpu() for name, tensor in trainer.module.state_dict().items()}
+    return save_checkpoint_file(build_checkpoint(trainer, weights_only=True, model_state=state), path)
 
 
 def training_state(trainer: Trainer) -> dict[str, Any]:

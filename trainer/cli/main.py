@@ -39,6 +39,8 @@ from torchyard.trainer.launch.ssh_hosts import add_arguments as add_launch_argum
 STAGES = ("fit", "validate", "test", "predict")
 USAGE_ERROR = 2
 VERBOSE_FLAGS = ("-v", "--verbose")
+#: The subcommands whose sources may be a Python script followed by its own arguments.
+SCRIPT_COMMANDS = ("submit", "launch")
 # The shell's status for a run ended by Ctrl-C, as trainer.faults.SIGINT_EXIT_CODE (that module imports torch,
 # which `trainer --help` must not wait for).
 SIGINT_EXIT_CODE = 128 + signal.SIGINT
@@ -56,13 +58,45 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{dashed[2:] if '=' in dashed else dashed[2:] + '=VALUE'}", file=sys.stderr)
         return USAGE_ERROR
     try:
-        args = build_parser().parse_args([token for token in argv if token not in VERBOSE_FLAGS])
+        args = parse_command_line(build_parser(), [token for token in argv if token not in VERBOSE_FLAGS])
     except SystemExit as exit_:  # argparse's own usage errors (status 2) and --help (status 0)
         return int(exit_.code or 0)
     args.verbose = verbose
     with warnings.catch_warnings():  # restores the default format when main returns (tests call it in-process)
         warnings.showwarning = show_warning
         return run_command(args.handler, args)
+
+
+def parse_command_line(parser: argparse.ArgumentParser, tokens: list[str]) -> argparse.Namespace:
+    """The command line, with a subcommand's recipe files and KEY=VALUE overrides allowed anywhere among its
+    options, in every subcommand (argparse alone ends a positional list at the first option and sends what follows
+    it to the top-level usage as "unrecognized arguments"). After a SCRIPT.py (submit, launch) the rest is the
+    script's own arguments, as torchrun reads them; a `--` right after the script is dropped."""
+    subcommands: dict[str, argparse.ArgumentParser] = parser.get_default("subcommands")
+    command = next((token for token in tokens if not token.startswith("-")), None)
+    if command not in subcommands:  # --help, no command, or one argparse names the choices for
+        return parser.parse_args(tokens)
+    sub, options = subcommands[command], tokens[tokens.index(command) + 1:]
+    script_arguments: list[str] = []
+    if command in SCRIPT_COMMANDS:
+        options, script_arguments = _split_at_script(sub, options)
+    args = sub.parse_intermixed_args(options)
+    args.command = command
+    if script_arguments:
+        args.sources = [*args.sources, *script_arguments]
+    return args
+
+
+def _split_at_script(sub: argparse.ArgumentParser, tokens: list[str]) -> tuple[list[str], list[str]]:
+    """(the subcommand's part, the script's arguments): split after the first SCRIPT.py that the subcommand reads
+    as a source (not as an option's value, as in `--ssh-config hosts.py`)."""
+    for index, token in enumerate(tokens):
+        if token.endswith(".py") and not token.startswith("-"):
+            read, _ = sub.parse_known_intermixed_args(tokens[:index + 1])
+            if read.sources and read.sources[-1] == token:
+                rest = tokens[index + 1:]
+                return tokens[:index + 1], rest[1:] if rest[:1] == ["--"] else rest
+    return tokens, []
 
 
 def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
@@ -138,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_evaluate_arguments(commands.add_parser("evaluate", parents=[verbose], help="score each checkpoint of a run "
                                                "with its validation_step (docs/evaluator.md)"))
     add_scale_arguments(commands.add_parser("scale", parents=[verbose], help="measure a recipe at several layouts"))
+    parser.set_defaults(subcommands=commands.choices)  # parse_command_line parses the subcommand's part itself
     return parser
 
 
@@ -179,14 +214,13 @@ def add_scale_arguments(scale: argparse.ArgumentParser) -> None:
 def run_stage(args: argparse.Namespace) -> int:
     """fit / validate / test / predict: build everything from the recipe, then run the stage."""
     # Here, not at the top: the framework imports torch, which `trainer --help` must not wait for.
-    from torchyard.trainer import Trainer, seed_everything
+    from torchyard.trainer import Trainer
     from torchyard.trainer.cli.recipe import import_from_cwd, load_recipe
 
     import_from_cwd()
     recipe = load_recipe(args.sources)  # every check happens here, before anything is built
-    if recipe.trainer.seed is not None:
-        seed_everything(recipe.trainer.seed)  # the model's initial weights depend on it too
-    # The saved config.yaml reruns the recipe; its ckpt_path is left out so that a rerun starts afresh.
+    # The saved config.yaml reruns the recipe; its ckpt_path is left out so that a rerun starts afresh. The Trainer
+    # seeds the process (trainer.seed) as it is built: the data and model built after it start seeded.
     trainer = Trainer(callbacks=[spec.instantiate() for spec in recipe.callbacks],
                       run_config=recipe.to_dict(with_ckpt_path=False), **recipe.trainer_options())
     datamodule, module = recipe.data.instantiate(), recipe.model.instantiate()

@@ -39,6 +39,10 @@ class ClusterEnvironment:
     #: torchrun's rendezvous id (--rdzv-id, or a fresh one per --standalone job): the same in every attempt of
     #: one job. None for its default "none", which tells one job from another no more than no id does.
     run_id: str | None = None
+    #: Torch threads for this process where its launcher left them at torch's default, every core of the node in
+    #: each task (srun, mpirun): a share of the node's cores, as the Trainer's own launcher gives its workers.
+    #: None: leave them as they are (OMP_NUM_THREADS was set; torchrun sets it).
+    threads: int | None = None
 
     @property
     def launched(self) -> bool:
@@ -162,12 +166,14 @@ def slurm_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
     if world == 1:
         return None  # one task (`srun python train.py`): the Trainer starts the job's processes itself
     node_rank = _int(env, "SLURM_NODEID", 0)
+    local_world = _slurm_tasks_on_node(env, node_rank)
     return ClusterEnvironment(
         name="slurm", global_rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID", 0),
-        world_size=world, local_world_size=_slurm_tasks_on_node(env, node_rank), node_rank=node_rank,
+        world_size=world, local_world_size=local_world, node_rank=node_rank,
         master_addr=env.get("MASTER_ADDR") or _slurm_master(env),
         # One port per job, so two jobs sharing a node do not collide.
         master_port=_int(env, "MASTER_PORT", 15000 + _int(env, "SLURM_JOB_ID", 0) % 20000),
+        threads=task_threads(env, local_world),
     )
 
 
@@ -211,7 +217,7 @@ def mpi_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
     return ClusterEnvironment(
         name="mpi", global_rank=rank, local_rank=local_rank, world_size=size, local_world_size=local_size,
         node_rank=rank // max(local_size, 1), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=_int(env, "MASTER_PORT", 29500),
+        master_port=_int(env, "MASTER_PORT", 29500), threads=task_threads(env, local_size),
     )
 
 
@@ -284,6 +290,18 @@ def worker_threads(processes_per_node: int) -> int:
     forkserver keeps the thread count the forkserver started with."""
     outer = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return max(1, int(outer)) if outer.isdigit() else max(1, usable_cores() // processes_per_node)
+
+
+def task_threads(env: Mapping[str, str], tasks_on_node: int) -> int | None:
+    """Torch threads for each of a node's tasks that srun or mpirun started: None where OMP_NUM_THREADS is set
+    (torch read it as it started), else SLURM_CPUS_PER_TASK, else the usable cores shared among the node's tasks,
+    at least one (under srun's CPU binding the usable cores are the task's own)."""
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return None
+    cpus = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if cpus.isdigit() and int(cpus) > 0:
+        return int(cpus)
+    return max(1, usable_cores() // max(tasks_on_node, 1))
 
 
 def find_free_port() -> int:

@@ -108,11 +108,12 @@ def samples_in_batches(loader: DataLoader, start: int, end: int) -> int | None:
 
 
 class WorkerInit:
-    """A loader worker's start: ignore SIGTERM, then run the user's worker_init_fn.
+    """A loader worker's start: ignore SIGTERM and SIGHUP, then run the user's worker_init_fn.
 
-    A job's SIGTERM (SLURM signals every process of the job) would otherwise kill the workers at once,
-    and the training process, which saves a checkpoint at its next step boundaries (faults.py), would
-    fail on its next batch instead. Workers still end with the training process.
+    A job's SIGTERM (SLURM signals every process of the job), or the SIGHUP of a closed terminal (sent to its
+    whole process group), would otherwise kill the workers at once, and the training process, which saves a
+    checkpoint at its next step boundaries (faults.py), would fail on its next batch instead. Workers still
+    end with the training process.
     """
 
     def __init__(self, user_init: Callable[[int], None] | None) -> None:
@@ -120,6 +121,7 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if self.user_init is not None:
             self.user_init(worker_id)
 

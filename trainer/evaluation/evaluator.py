@@ -343,6 +343,12 @@ class EvaluatorProcess(Callback):
         self._failed = True
 
     @override
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        # The fit's checkpoints are all in place by now: the evaluator scores the last ones and ends, and its
+        # output comes before the fit's closing lines (ModelSummary's on_fit_end, which runs after this one).
+        self.teardown(trainer, module, "fit")
+
+    @override
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         if self.process is None:
             return

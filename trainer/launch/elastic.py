@@ -97,12 +97,13 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
             )
     except SignalException as err:
         shutil.rmtree(workdir, ignore_errors=True)
-        if err.sigval not in (signal.SIGTERM, signal.SIGINT):
+        if err.sigval not in faults.STOP_SIGNALS:
             raise
-        # Preempted or Ctrl-C: the agent forwarded the signal and waited for the workers, which saved last.ckpt.
+        # Preempted, Ctrl-C or the terminal gone (SIGHUP): the agent forwarded the signal and waited for the
+        # workers, which saved last.ckpt.
         raise faults.Terminated(128 + int(err.sigval)) from None
     except ChildFailedError as err:
-        if all(f.exitcode in (faults.SIGTERM_EXIT_CODE, faults.SIGINT_EXIT_CODE) for f in err.failures.values()):
+        if all(f.exitcode in faults.STOPPED_EXIT_CODES for f in err.failures.values()):
             shutil.rmtree(workdir, ignore_errors=True)  # the workers alone got SIGTERM and saved
             raise faults.Terminated(max(f.exitcode for f in err.failures.values())) from None
         failure, keep_output = _job_failure(err, workdir, nproc * num_nodes, strategy.reporting_rank)
@@ -136,6 +137,7 @@ def final_state(trainer: Trainer) -> dict[str, Any]:
         "progress_bar_metrics": trainer.progress_bar_metrics,
         "loggers": [logger.state_dict() for logger in trainer.loggers],
         "version": trainer.version,  # a resume may have continued an earlier run's folder
+        "world_size": trainer.world_size,
         "data_wait": trainer.data_wait,
     }
 

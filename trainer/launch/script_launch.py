@@ -30,7 +30,7 @@ from torchyard.trainer.loop.rng import rng_state, set_rng_state
 #: Seconds rank 0 gets to fail on its own once another rank died, before the watcher ends it (a rank that died
 #: before the rendezvous leaves rank 0 waiting for it until the collective timeout).
 FAILURE_GRACE_S = 10.0
-_STOPPED_EXIT_CODES = (0, faults.SIGTERM_EXIT_CODE, faults.SIGINT_EXIT_CODE)
+_STOPPED_EXIT_CODES = (0, *faults.STOPPED_EXIT_CODES)
 #: The file holding rank 0's RNG state as its stage started, for the other ranks to start their first stage from.
 LAUNCH_RNG_VARIABLE = "TORCHYARD_LAUNCH_RNG"
 

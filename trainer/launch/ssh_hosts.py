@@ -61,8 +61,8 @@ PROBE = "import socket, torchyard.trainer; s = socket.socket(); s.bind(('', 0));
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `trainer launch`."""
     parser.description = ("Start one node of a multi-node job on each host over ssh (docs/cluster.md). The options "
-                          "come before the recipe or script: what follows it is the recipe's overrides or the "
-                          "script's arguments.")
+                          "may stand anywhere among a recipe and its overrides; after a script, the rest is the "
+                          "script's own arguments.")
     parser.add_argument("--hosts", help="comma-separated hosts, one node each; the first runs node 0")
     parser.add_argument("--hostfile", help="a file of `HOST slots=N` lines (DeepSpeed's and MPI's format)")
     parser.add_argument("--nproc-per-node", type=int,
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=int, help="node 0's rendezvous port (default: a free port there)")
     parser.add_argument("--ssh-config", help="an ssh client config file (ssh -F)")
     parser.add_argument("--ssh-port", type=int, help="the port of sshd on every host (ssh -p)")
-    parser.add_argument("sources", nargs=argparse.REMAINDER, metavar="[STAGE] RECIPE ... | SCRIPT.py ARGS",
+    parser.add_argument("sources", nargs="*", metavar="[STAGE] RECIPE ... | SCRIPT.py ARGS",
                         help="recipe files and key=value overrides (after an optional stage, fit by default), "
                              "or a Python script and its arguments")
     parser.set_defaults(handler=launch_command)

@@ -5,8 +5,12 @@ imports all of that again (torchrun's workers do: here they start sooner than to
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from multiprocessing import forkserver, reduction
 from typing import Any
 
@@ -36,7 +40,24 @@ def start_early() -> None:
 def start() -> None:
     """Make sure the forkserver runs (with the preloads); a no-op when it already does."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    with _hangup_ignored():
+        forkserver.ensure_running()  # and multiprocessing's resource tracker, which it starts first
+
+
+@contextlib.contextmanager
+def _hangup_ignored() -> Iterator[None]:
+    """SIGHUP ignored while the forkserver and the resource tracker start, which keep that (an ignored signal stays
+    ignored across exec): a closed terminal sends SIGHUP to its whole process group, and the fit saves last.ckpt on
+    it (loop/faults.py), but these two would die of it, and a resource tracker started again says KeyError on its
+    first release of a lock the dead one had counted. Workers forked from the forkserver install the fit's handler."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        yield
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous if previous is not None else signal.SIG_DFL)
 
 
 class LaunchingProcessState:

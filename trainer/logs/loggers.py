@@ -26,6 +26,9 @@ class Logger:
         self._version = version
         self.prefix = prefix
         self._claim: VersionClaim | None = None
+        #: An earlier logger of the same Trainer writing to the same `<save_dir>/<name>`: this one takes its
+        #: version, so that one run's files (metrics, events, checkpoints) share one folder (share_run_folder).
+        self._folder_of: Logger | None = None
         # Set when a validate/test/predict logs into the folder of the run whose checkpoint it was given: its
         # values go to a file of their own there, and the run's hparams.yaml stays as the run wrote it.
         self.evaluation_stage: str | None = None
@@ -34,9 +37,15 @@ class Logger:
         """`metrics` with this logger's prefix on their names."""
         return {f"{self.prefix}-{name}": value for name, value in metrics.items()} if self.prefix else metrics
 
+    #: Whether `version` numbers folders under `<save_dir>/<name>` (MLflow's is a run id in its own store).
+    numbers_folders = True
+
     @property
     def version(self) -> int | str:
         if self._version is None:
+            folder_of = getattr(self, "_folder_of", None)  # a subclass may not call Logger.__init__
+            if folder_of is not None:
+                return folder_of.version  # followed, not copied: a resume may still restore the first one's
             self._claim = VersionClaim(self.save_dir, self.name)
             self._version = self._claim.version
         return self._version
@@ -48,7 +57,8 @@ class Logger:
     @property
     def version_chosen(self) -> bool:
         """Whether the version is set (given, restored or numbered) rather than still to be numbered."""
-        return self._version is not None
+        folder_of = getattr(self, "_folder_of", None)
+        return self._version is not None or (folder_of is not None and folder_of.version_chosen)
 
     @property
     def log_dir(self) -> Path:
@@ -86,6 +96,19 @@ class Logger:
         """Whether a checkpoint's state of a logger is this logger's run, which a resume continues (checkpoints
         written before they recorded their folder are taken to be)."""
         return state.get("folder", run_folder(self.save_dir, self.name)) == run_folder(self.save_dir, self.name)
+
+
+def share_run_folders(loggers: Sequence[Logger]) -> None:
+    """Loggers of one Trainer that number folders under the same `<save_dir>/<name>` and were given no version
+    write into one `version_<n>`: the first one's (each claimed a folder of its own before, so a csv and a
+    tensorboard logger split one run over version_0 and version_1)."""
+    first: dict[str, Logger] = {}
+    for logger in loggers:
+        if not getattr(logger, "numbers_folders", False) or getattr(logger, "_version", None) is not None:
+            continue
+        owner = first.setdefault(run_folder(logger.save_dir, logger.name), logger)
+        if owner is not logger:
+            logger._folder_of = owner
 
 
 def print_results_table(results: list[dict[str, float]], stage: str) -> None:
@@ -303,6 +326,8 @@ class MLFlowLogger(Logger):
     MLFlowLogger: `tracking_uri` is a server (http://...), a database (sqlite:///mlflow.db) or a folder (unset:
     `save_dir`). Needs mlflow: pip install 'torchyard[mlflow]'. `log_model`: True uploads the checkpoints at the
     end of the fit, "all" after each save, False none. `experiment` is an mlflow.tracking.MlflowClient."""
+
+    numbers_folders = False  # its version is a run id in the tracking store, not a version_<n> folder
 
     def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
                  tracking_uri: str | None = None, tags: Mapping[str, Any] | None = None,

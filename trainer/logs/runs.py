@@ -60,13 +60,24 @@ class VersionClaim:
             self.created.append(folder)
 
     def release(self) -> None:
-        """Remove the folders this claim created that are still empty (the run wrote nothing)."""
+        """Remove the folders this claim created that are still empty (the run wrote nothing; the marker a torchrun
+        job leaves for its restarts does not count: a run that ended has no restart left to find the folder)."""
         for folder in reversed(self.created):
+            if not holds_run_files(folder):
+                (folder / RUN_ID_FILE).unlink(missing_ok=True)
             try:
                 folder.rmdir()
             except OSError:  # not empty (the run, or another one, wrote there), or gone already
                 return
         self.created = []
+
+
+def holds_run_files(folder: str | Path) -> bool:
+    """Whether a run wrote anything into `folder` besides the restart marker (a folder gone holds nothing)."""
+    try:
+        return any(entry.name != RUN_ID_FILE for entry in Path(folder).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def version_of_job(save_dir: str | Path, name: str, run_id: str) -> int | str | None:

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
 SIGINT_EXIT_CODE = 130  # 128 + SIGINT
+SIGHUP_EXIT_CODE = 129  # 128 + SIGHUP
+#: The signals a fit saves last.ckpt on and then exits with 128 + the signal: a scheduler's SIGTERM, Ctrl-C, and
+#: SIGHUP (the terminal closed, the ssh session dropped), which would otherwise end the run with nothing saved.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOPPED_EXIT_CODES = tuple(128 + int(sig) for sig in STOP_SIGNALS)
 AGREE_EVERY_S = 0.2  # how often ranks stepping together exchange their SIGTERM flags (docs/fault-tolerance.md)
 AGREE_AHEAD_S = 0.1  # how far ahead, in time at the current pace, the step the ranks stop at is set
 MAX_AGREE_AHEAD = 128  # ... in step boundaries, at most: bounds the delay when steps slow down
@@ -36,7 +41,7 @@ READ_LOSSES_EVERY_S = 0.5  # on an accelerator, how often nonfinite_loss='error'
 class StepGuard:
     """One fit's SIGTERM flag and non-finite loss check, both settled at optimizer-step boundaries.
 
-    `with StepGuard(trainer) as guard:` installs the SIGTERM and SIGINT handlers (main thread only) and
+    `with StepGuard(trainer) as guard:` installs the SIGTERM, SIGINT and SIGHUP handlers (main thread only) and
     restores the previous ones on exit.
     """
 
@@ -67,7 +72,7 @@ class StepGuard:
         self._second_sigint_stops = not strategy.environment.launched and strategy.world_size == 1
         if threading.current_thread() is threading.main_thread():  # signal.signal works there only
             self._previous_handlers = {
-                sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+                sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS
             }
         if self._agree and self.mode != "skip":
             self._agreement = SignalAgreement(lambda: self.signalled, strategy.timeout)
@@ -90,7 +95,7 @@ class StepGuard:
             # The script must still stop rather than go on to its next stage (one process: no peer to wait for).
             if self.received == signal.SIGINT:
                 raise KeyboardInterrupt
-            raise Terminated(SIGTERM_EXIT_CODE)
+            raise Terminated(128 + int(self.received))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.signalled:
@@ -234,7 +239,7 @@ class StepGuard:
         trainer, progress = self.trainer, self.trainer.progress
         path = _last_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
-        code = SIGINT_EXIT_CODE if self.received == signal.SIGINT else SIGTERM_EXIT_CODE
+        code = 128 + int(self.received)  # 143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP
         if trainer.is_global_zero:
             print(f"trainer: {self.received.name}: saved {path} at global step {progress.global_step} (epoch "
                   f"{progress.epoch}, {progress.epoch_batches} batches done); exiting with code {code}. "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,27 @@ def seed_everything(seed: int, deterministic: bool = False, workers: bool = True
     if deterministic:
         set_determinism(True)
     return seed
+
+
+#: torch seeds its generator at start-up from the OS's randomness, with 64 random bits; seeds that people give
+#: (seed_everything, torch.manual_seed) are below 2**32, numpy's limit. A module built on a seed at or above it was
+#: built before anything seeded the process.
+UNSEEDED_FROM = 2**32
+
+
+def warn_if_weights_unseeded(module: Any, seed: int | None) -> None:
+    """Once per module: a Trainer(seed=...) seeds the process when it is built, so a module built before it, in a
+    process nothing had seeded, starts from unseeded weights, and two runs of the script differ."""
+    built_with = getattr(module, "_built_with_seed", None)
+    unseeded = built_with is not None and built_with >= UNSEEDED_FROM
+    if seed is None or not unseeded or getattr(module, "_unseeded_warned", False):
+        return
+    module._unseeded_warned = True
+    name = type(module).__name__
+    warnings.warn(
+        f"{name} was built before Trainer(seed={seed}) seeded this process, so its initial weights are not seeded "
+        f"and two runs start from different weights; build the Trainer first (`trainer = Trainer(seed={seed}, ...)`, "
+        f"then `{name}(...)`), or call seed_everything({seed}) before building the module.", stacklevel=3)
 
 
 def _seed_generators(seed: int) -> None:

@@ -388,14 +388,14 @@ def _summary(reports: list[dict[str, int]], policy: str) -> str:
 
 @contextlib.contextmanager
 def _stop_signals_deferred() -> Iterator[list[int]]:
-    """While a server answers, SIGTERM and SIGINT (Ctrl-C) only mark that they came (the list holds their
+    """While a server answers, SIGTERM, SIGINT (Ctrl-C) and SIGHUP only mark that they came (the list holds their
     numbers): the workers, told too, save a checkpoint, which reads the parameters from the servers, before
     everyone leaves."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
         yield received
         return
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in signals}
     try:
         yield received
