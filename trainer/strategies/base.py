@@ -273,7 +273,8 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
-        self.module = module.to(self.root_device)
+        # Not moved when already there: fake tensors (`trainer plan`) cannot be swapped by Module.to.
+        self.module = module if _on_device(module, self.root_device) else module.to(self.root_device)
         self.model = self.module
         self._bound_training_step = bound_step(module, "training_step")  # looked up once, not every step
         # Where neither this strategy, the precision nor the module changes backward, each step calls the
@@ -285,6 +286,14 @@ class Strategy(ABC):
             and self.precision.scaler is None
             and overridden(module, "backward", TrainModule) is None
         )
+
+    def setup_module_to_plan(self, module: TrainModule) -> None:
+        """setup_module for `trainer plan` (trainer/scaling/fake_step.py): `module` is on the meta device, a
+        FakeTensorMode is active and the process group is torch's fake one. The module ends up holding fake tensors
+        on this rank's device: by default made there, then set up as for training. A strategy whose wrapper needs
+        real tensors overrides this with a stand-in that holds the same memory and issues the same collectives."""
+        module.to_empty(device=self.root_device)
+        self.setup_module(module)
 
     # ------------------------------------------------------------------ the steps (the per-step path)
     def plain_training_step(self) -> Callable[[Any, int], Any] | None:
@@ -471,6 +480,11 @@ class Strategy(ABC):
             self._checkpoint_files = CheckpointFiles()
         self.checkpoint_in_flight = True
         return self._checkpoint_files
+
+
+def _on_device(module: nn.Module, device: torch.device) -> bool:
+    """Every parameter and buffer already on `device`, the host (a CUDA device without an index is ambiguous)."""
+    return device.type == "cpu" and all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
 
 
 def step_loss(output: Any) -> torch.Tensor:
