@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from torchyard.trainer.cli.recipe import Recipe
 from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.optim import parse_optimizers
 from torchyard.trainer.strategies import build_strategy
+
+if TYPE_CHECKING:
+    from torchyard.trainer.cli.recipe import Recipe
 
 #: MemTracker's kinds of storage -> our parts (buffers are counted with parameters, "other" with temporaries).
 PARTS = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Optstate": "optimizer",
@@ -116,7 +119,7 @@ def run_step(recipe: Recipe, strategy: dict[str, Any], world_size: int, rank: in
              fake: bool = True) -> StepRecord:
     """Two training steps of the recipe's model under `strategy` as `rank` of `world_size` processes, in the
     process group this process already joined (fake_process_group, or a real one); the peak and the collectives of
-    the second (the first allocates the optimizer state). `fake`: the model, its optimizer state and every intermediate are fake tensors."""
+    the second (the first allocates the optimizer state). `fake`: every tensor is a fake one."""
     mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     built = build_strategy(strategy, world_size)
     built.configure("cpu", world_size, 1, str(recipe.trainer.precision))
@@ -141,6 +144,23 @@ def run_step(recipe: Recipe, strategy: dict[str, Any], world_size: int, rank: in
         return StepRecord(peak_memory(tracker), counter.collectives)
     finally:
         built.model = built.module = None
+
+
+def time_steps(recipe: Recipe, batch: Any, steps: int = 3) -> float:
+    """Seconds of one real training step of the recipe's model on one process here ('single'), the fastest of
+    `steps` after a warm-up one: the plan's compute time."""
+    strategy = build_strategy("single")
+    strategy.configure("cpu", 1, 1, str(recipe.trainer.precision))
+    strategy.setup_environment(ClusterEnvironment("local"))
+    strategy.setup_module(recipe.model.instantiate())
+    optimizers = strategy.setup_optimizers(parse_optimizers(strategy.module.configure_optimizers())[0])
+    one_step(strategy, optimizers, batch)
+    seconds = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        one_step(strategy, optimizers, batch)
+        seconds.append(time.perf_counter() - started)
+    return min(seconds)
 
 
 def one_step(strategy: Any, optimizers: list[torch.optim.Optimizer], batch: Any) -> None:

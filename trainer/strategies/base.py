@@ -123,6 +123,7 @@ class Strategy(ABC):
     #: Every rank takes each optimizer step together (ddp, pipeline), so a per-step collective is safe; False
     #: for workers that run at their own pace (ps), which then settle SIGTERM and NaN losses each on its own.
     steps_in_lockstep: ClassVar[bool] = True
+    plannable: ClassVar[bool] = True  #: `trainer plan` can run its step on fake tensors (setup_module_to_plan)
 
     def __init__(self) -> None:
         self.accelerator = "cpu"
@@ -288,10 +289,10 @@ class Strategy(ABC):
         )
 
     def setup_module_to_plan(self, module: TrainModule) -> None:
-        """setup_module for `trainer plan` (trainer/scaling/fake_step.py): `module` is on the meta device, a
-        FakeTensorMode is active and the process group is torch's fake one. The module ends up holding fake tensors
-        on this rank's device: by default made there, then set up as for training. A strategy whose wrapper needs
-        real tensors overrides this with a stand-in that holds the same memory and issues the same collectives."""
+        """setup_module for `trainer plan` (scaling/fake_step.py): `module` is on the meta device, a FakeTensorMode
+        is active, the process group is torch's fake one; by default the module's fake tensors are made, then set up
+        as for training. A wrapper that needs real tensors overrides this with a stand-in of the same memory and
+        collectives."""
         module.to_empty(device=self.root_device)
         self.setup_module(module)
 
