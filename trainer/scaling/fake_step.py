@@ -37,6 +37,9 @@ PARTS = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradien
          "Activation": "activations", "Temp": "temporaries", "Other": "temporaries"}
 
 
+WARMUP_STEPS = 1
+
+
 @dataclasses.dataclass
 class StepMemory:
     """Bytes held by one rank at its peak, by part."""
@@ -117,9 +120,9 @@ def resize_batch(batch: Any, size: int) -> Any:
 
 def run_step(recipe: Recipe, strategy: dict[str, Any], world_size: int, rank: int, batch: Any,
              fake: bool = True) -> StepRecord:
-    """Two training steps of the recipe's model under `strategy` as `rank` of `world_size` processes, in the
+    """Training steps of the recipe's model under `strategy` as `rank` of `world_size` processes, in the
     process group this process already joined (fake_process_group, or a real one); the peak and the collectives of
-    the second (the first allocates the optimizer state). `fake`: every tensor is a fake one."""
+    the last one (the ones before warm up). `fake`: every tensor is a fake one."""
     mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     built = build_strategy(strategy, world_size)
     built.configure("cpu", world_size, 1, str(recipe.trainer.precision))
@@ -136,9 +139,14 @@ def run_step(recipe: Recipe, strategy: dict[str, Any], world_size: int, rank: in
             optimizers = built.setup_optimizers(parse_optimizers(module.configure_optimizers())[0])
             if fake:
                 batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
-            one_step(built, optimizers, batch)  # untracked: it allocates the optimizer state (Adam's moments)
+            # Untracked: the first step allocates the optimizer state (Adam's moments); a real DDP rebuilds its
+            # buckets in the second step's forward, so a real run warms up one step more.
+            for _ in range(WARMUP_STEPS if fake else WARMUP_STEPS + 1):
+                one_step(built, optimizers, batch)
             tracker, counter = MemTracker(), CollectiveCounter()
-            tracker.track_external(built.model, *optimizers)  # with the optimizer state the first step made
+            # The state a step leaves: parameters, optimizer state, and gradients (held between steps where they
+            # live in buffers, as DDP's buckets; the next step's zero_grad frees the others).
+            tracker.track_external(built.model, *optimizers)
             with tracker, counter:
                 one_step(built, optimizers, batch)
         return StepRecord(peak_memory(tracker), counter.collectives)
@@ -164,11 +172,13 @@ def time_steps(recipe: Recipe, batch: Any, steps: int = 3) -> float:
 
 
 def one_step(strategy: Any, optimizers: list[torch.optim.Optimizer], batch: Any) -> None:
-    """The fit loop's calls for one automatic-optimization step of one batch."""
+    """The fit loop's calls for one automatic-optimization step of one batch (the last step's gradients dropped
+    first: the loop's zero_grad after a step, here at the start of the next)."""
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
     strategy.forward_backward(batch, 0, 1.0, None)
     for optimizer in optimizers:
         strategy.optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
 
 
 def peak_memory(tracker: MemTracker) -> StepMemory:

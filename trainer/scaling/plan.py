@@ -77,13 +77,15 @@ class PlanInputs:
 # --------------------------------------------------------------------------- input
 
 
-def parse_quantity(text: str, units: dict[str, float], flag: str, example: str) -> float:
-    """The number times its unit, from '80GB'; a one-line error naming the units for anything else."""
+def parse_quantity(text: str, units: dict[str, float], flag: str, example: str, given: str | None = None) -> float:
+    """The number times its unit, from '80GB'; a one-line error naming the units for anything else (quoting
+    `given`, the whole flag's value, where `text` is part of it)."""
     match = QUANTITY.match(text)
     unit = match.group(2) if match else ""
     if match is None or unit not in units:
-        given = f"unknown unit {unit!r}" if match else "not a number with a unit"
-        raise MisconfigurationError(f"{flag} {text!r}: {given}; use one of {', '.join(units)}, e.g. {flag} {example}.")
+        problem = f"unknown unit {unit!r}" if match else "not a number with a unit"
+        raise MisconfigurationError(f"{flag} {given or repr(text)}: {problem}; use one of {', '.join(units)}, "
+                                    f"e.g. {flag} {example}.")
     return float(match.group(1)) * units[unit]
 
 
@@ -97,8 +99,8 @@ def parse_link(text: str, flag: str) -> Link:
     bandwidth, found, latency = text.partition(":")
     if not found:
         raise MisconfigurationError(f"{flag} {text!r}: give BANDWIDTH:LATENCY, e.g. {flag} 400Gbps:5us.")
-    link = Link(parse_quantity(bandwidth, BANDWIDTH_UNITS, flag, "400Gbps:5us"),
-                parse_quantity(latency, LATENCY_UNITS, flag, "400Gbps:5us"))
+    link = Link(parse_quantity(bandwidth, BANDWIDTH_UNITS, flag, "400Gbps:5us", repr(text)),
+                parse_quantity(latency, LATENCY_UNITS, flag, "400Gbps:5us", repr(text)))
     if link.bandwidth <= 0:
         raise MisconfigurationError(f"{flag} {text!r}: the bandwidth must be above 0.")
     return link
