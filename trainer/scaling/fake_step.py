@@ -154,9 +154,19 @@ def run_step(recipe: Recipe, strategy: dict[str, Any], world_size: int, rank: in
         built.model = built.module = None
 
 
-def time_steps(recipe: Recipe, batch: Any, steps: int = 3) -> float:
+def time_steps(recipe: Recipe, batch: Any, steps: int = 2) -> float:
     """Seconds of one real training step of the recipe's model on one process here ('single'), the fastest of
-    `steps` after a warm-up one: the plan's compute time."""
+    `steps` after a warm-up one: the plan's compute time. On one thread, as `trainer scale` runs each CPU worker
+    (two threads on two busy cores were seen to take ten times as long)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_steps(recipe, batch, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_steps(recipe: Recipe, batch: Any, steps: int) -> float:
     strategy = build_strategy("single")
     strategy.configure("cpu", 1, 1, str(recipe.trainer.precision))
     strategy.setup_environment(ClusterEnvironment("local"))
