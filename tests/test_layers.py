@@ -80,6 +80,7 @@ LAYERS: dict[str, int] = {
     #     and `trainer plan`: one step on fake tensors (it loads recipes), its report, the plan (it reuses the study's
     #     input parsing)
     f"{T}.scaling.fake_step": 19, f"{T}.scaling.plan_report": 20, f"{T}.scaling.plan": 22,
+    f"{T}.scaling.measure": 21,
 }
 
 # Same-layer imports that are allowed, (importer, imported): reason.

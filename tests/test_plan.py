@@ -22,6 +22,7 @@ from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.scaling.fake_step import Collective, StepMemory
 from torchyard.trainer.scaling.plan import Link, collective_seconds, largest_micro_batch, parse_bytes, parse_link
+from torchyard.trainer.scaling.plan_report import PlanRow, measured_cells, measured_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 CHARLM = str(REPO / "recipes" / "charlm.yaml")
@@ -159,3 +160,14 @@ def test_predicted_per_rank_bytes_match_real_runs_at_1_2_and_4_processes(tmp_pat
     folder = tmp_path / "plan_charlm" / "version_0"
     assert (folder / "plan.png").stat().st_size > 10_000
     assert "| 1x4 fsdp | 4 |" in (folder / "plan.md").read_text()
+
+
+def test_measured_parts_are_shown_beside_the_predicted_ones():
+    predicted = StepMemory(parameters=2 * 2**20, gradients=0, optimizer=4 * 2**20, activations=11 * 2**20,
+                           temporaries=2**20)
+    measured = {"parameters": 2 * 2**20, "gradients": 0, "optimizer": 4 * 2**20, "activations": 10 * 2**20,
+                "temporaries": 2**20}
+    row = PlanRow("ddp", 1, 2, 8, predicted, None, 10.0, 1.0, 3.0, 2, 1600.0, measured=measured)
+    assert measured_cells(row) == ["1x2 ddp", "2.00 / 2.00 (+0%)", "0.00 / 0.00", "4.00 / 4.00 (+0%)",
+                                   "11.00 / 10.00 (+10%)", "1.00 / 1.00 (+0%)", "18.00 / 17.00 (+6%)"]
+    assert "| 1x2 ddp | 2.00 / 2.00 (+0%) |" in measured_markdown([row])

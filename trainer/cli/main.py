@@ -186,6 +186,8 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--node-network", default="900GB/s:1us", help="within a node, per rank: BANDWIDTH:LATENCY")
     plan.add_argument("--compute-ms", type=float, help="one step's compute on the target device (default: "
                       "measured here)")
+    plan.add_argument("--measure", action="store_true", help="also run the layouts that fit here for real and show "
+                      "each part predicted beside measured")
     plan.set_defaults(handler=run_plan)
 
 
@@ -312,7 +314,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     import_from_cwd()
     inputs = plan_inputs(args.sources, args.devices, args.nodes, args.layouts, args.device_memory, args.network,
-                         args.node_network, args.compute_ms)
+                         args.node_network, args.compute_ms, args.measure)
     console = Console() if Console().is_terminal else Console(width=220)
     rows = make_plan(inputs, progress=lambda label: console.print(f"planning {label}", style="dim"))
     write_plan(rows, inputs.root, console, plan_title(inputs))

@@ -35,6 +35,7 @@ from torchyard.trainer.scaling.fake_step import (
     sample_batch,
     time_steps,
 )
+from torchyard.trainer.scaling.measure import fits_here, measure_layout
 from torchyard.trainer.scaling.plan_report import PlanRow
 from torchyard.trainer.scaling.study import Variant, parse_counts, parse_variants
 from torchyard.trainer.strategies import build_strategy
@@ -72,6 +73,8 @@ class PlanInputs:
     node_network: Link
     compute_ms: float | None
     root: Path
+    sources: list[str]
+    measure: bool = False
 
 
 # --------------------------------------------------------------------------- input
@@ -147,7 +150,7 @@ def check_layouts(recipe: Recipe, layouts: list[Variant], shapes: list[tuple[int
 
 
 def plan_inputs(sources: Sequence[str], devices: str, nodes: str, layouts: str, device_memory: str | None,
-                network: str, node_network: str, compute_ms: float | None) -> PlanInputs:
+                network: str, node_network: str, compute_ms: float | None, measure: bool = False) -> PlanInputs:
     """Check every input and load the recipe; nothing runs here."""
     memory = parse_bytes(device_memory) if device_memory is not None else None
     links = parse_link(network, "--network"), parse_link(node_network, "--node-network")
@@ -159,7 +162,7 @@ def plan_inputs(sources: Sequence[str], devices: str, nodes: str, layouts: str, 
     check_layouts(recipe, variants, shapes)
     base = Path(recipe.trainer.default_root_dir) / f"plan_{recipe.trainer.name}"
     root = base / f"version_{next_version(base.parent, base.name)}"
-    return PlanInputs(recipe, variants, shapes, memory, *links, compute_ms, root)
+    return PlanInputs(recipe, variants, shapes, memory, *links, compute_ms, root, list(sources), measure)
 
 
 # --------------------------------------------------------------------------- the model of a step
@@ -222,6 +225,10 @@ def make_plan(inputs: PlanInputs, progress: Any = None) -> list[PlanRow]:
             progress(f"{nodes}x{per_node} {variant.label}")
         rows.append(plan_row(inputs, variant, nodes, per_node, resize_batch(batch, micro_batch), micro_batch,
                              compute_ms))
+        if inputs.measure and fits_here(nodes * per_node):
+            if progress is not None:
+                progress(f"measuring {nodes}x{per_node} {variant.label} on {nodes * per_node} process(es)")
+            rows[-1].measured = measure_layout(inputs.sources, variant.strategy, nodes * per_node)[0]
     return rows
 
 

@@ -38,7 +38,7 @@ class PlanRow:
     collectives: int
     samples_per_s: float
     efficiency: float = math.nan
-    measured: dict[str, float] | None = None  # --measure: the same parts from a real run here, in bytes
+    measured: dict[str, int] | None = None  # --measure: rank 0's parts from a real run here, in bytes
 
     @property
     def ranks(self) -> int:
@@ -90,14 +90,52 @@ def write_plan(rows: list[PlanRow], root: Path, console: Console, header: str) -
     for row in rows:
         table.add_row(*cells(row), style="red" if row.largest_micro_batch == 0 else None)
     console.print(table)
+    compared = measured_table(rows)
+    if compared:
+        console.print(compared)
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(root / "plan.md", f"{header}\n\n{markdown_table(rows)}")
+    atomic_write_text(root / "plan.md", f"{header}\n\n{markdown_table(rows)}\n{measured_markdown(rows)}")
     atomic_write_text(root / "plan.json", json.dumps([row_json(row) for row in rows], indent=1))
     try:
         console.print(f"wrote {draw_plan(rows, root / 'plan.png', header)}, plan.md and plan.json in {root}")
     except MisconfigurationError as err:
         console.print(f"no PNG: {err}")
     return root
+
+
+MEASURED_COLUMNS = ("layout", *PART_COLORS, "sum of the parts")
+
+
+def measured_cells(row: PlanRow) -> list[str]:
+    """Each part as 'predicted / measured MiB (error)', rank 0, for a row measured with --measure."""
+    assert row.measured is not None
+    pairs = [(getattr(row.memory, part), row.measured[part]) for part in PART_COLORS]
+    pairs.append((sum(p for p, _ in pairs), sum(m for _, m in pairs)))
+    return [row.label, *(f"{p / MIB:.2f} / {m / MIB:.2f}" + (f" ({100 * (p - m) / m:+.0f}%)" if m else "")
+                         for p, m in pairs)]
+
+
+def measured_table(rows: list[PlanRow]) -> Table | None:
+    """Predicted / measured per part, for the rows --measure ran; None when it ran none."""
+    measured = [row for row in rows if row.measured is not None]
+    if not measured:
+        return None
+    table = Table(title="predicted / measured MiB per part, rank 0 (--measure: real gloo runs here)",
+                  title_justify="left")
+    for column in MEASURED_COLUMNS:
+        table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
+    for row in measured:
+        table.add_row(*measured_cells(row))
+    return table
+
+
+def measured_markdown(rows: list[PlanRow]) -> str:
+    measured = [row for row in rows if row.measured is not None]
+    if not measured:
+        return ""
+    lines = ["predicted / measured MiB per part, rank 0:", "", "| " + " | ".join(MEASURED_COLUMNS) + " |",
+             "|" + "---|" * len(MEASURED_COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(measured_cells(row)) + " |" for row in measured]) + "\n"
 
 
 def row_json(row: PlanRow) -> dict[str, Any]:
