@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from processes import reaped
 
 from torchyard.trainer.cli.main import main
 from torchyard.trainer.cli.recipe import load_recipe
 from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.scaling.fake_step import Collective, StepMemory
+from torchyard.trainer.scaling.fake_step import Collective, StepMemory, fake_process_group, run_step, sample_batch
 from torchyard.trainer.scaling.plan import Link, collective_seconds, largest_micro_batch, parse_bytes, parse_link
 from torchyard.trainer.scaling.plan_report import PlanRow, measured_cells, measured_markdown
 
@@ -171,3 +172,17 @@ def test_measured_parts_are_shown_beside_the_predicted_ones():
     assert measured_cells(row) == ["1x2 ddp", "2.00 / 2.00 (+0%)", "0.00 / 0.00", "4.00 / 4.00 (+0%)",
                                    "11.00 / 10.00 (+10%)", "1.00 / 1.00 (+0%)", "18.00 / 17.00 (+6%)"]
     assert "| 1x2 ddp | 2.00 / 2.00 (+0%) |" in measured_markdown([row])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_plan_of_one_process_matches_what_cuda_allocates():
+    """The plan (fake tensors on the host) against torch.cuda.max_memory_allocated over the same real step on the
+    GPU: the allocator's block rounding aside, within 10%."""
+    recipe = load_recipe([CHARLM, *SMALL])
+    batch = sample_batch(recipe)
+    with fake_process_group(1):
+        predicted = run_step(recipe, {"name": "single"}, 1, 0, batch).memory.total
+    torch.cuda.reset_peak_memory_stats()
+    run_step(recipe, {"name": "single"}, 1, 0, batch, fake=False, accelerator="cuda")
+    allocated = torch.cuda.max_memory_allocated()
+    assert abs(predicted - allocated) <= 0.10 * allocated, (predicted, allocated)

@@ -119,13 +119,14 @@ def resize_batch(batch: Any, size: int) -> Any:
 
 
 def run_step(recipe: Recipe, strategy: dict[str, Any], world_size: int, rank: int, batch: Any,
-             fake: bool = True) -> StepRecord:
+             fake: bool = True, accelerator: str = "cpu") -> StepRecord:
     """Training steps of the recipe's model under `strategy` as `rank` of `world_size` processes, in the
     process group this process already joined (fake_process_group, or a real one); the peak and the collectives of
-    the last one (the ones before warm up). `fake`: every tensor is a fake one."""
+    the last one (the ones before warm up). `fake`: every tensor is a fake one. `accelerator`: 'cuda' measures a
+    real run on this rank's GPU (a plan is made on the host: bytes do not depend on the device)."""
     mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     built = build_strategy(strategy, world_size)
-    built.configure("cpu", world_size, 1, str(recipe.trainer.precision))
+    built.configure(accelerator, world_size, 1, str(recipe.trainer.precision))
     built.setup_environment(ClusterEnvironment("local", rank, rank, world_size, world_size))
     try:
         with torch.device("meta") if fake else contextlib.nullcontext():
@@ -137,8 +138,7 @@ def run_step(recipe: Recipe, strategy: dict[str, Any], world_size: int, rank: in
             else:
                 built.setup_module(module)
             optimizers = built.setup_optimizers(parse_optimizers(module.configure_optimizers())[0])
-            if fake:
-                batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
+            batch = tree_map_only(torch.Tensor, mode.from_tensor, batch) if fake else built.batch_to_device(batch)
             # Untracked: the first step allocates the optimizer state (Adam's moments); a real DDP rebuilds its
             # buckets in the second step's forward, so a real run warms up one step more.
             for _ in range(WARMUP_STEPS if fake else WARMUP_STEPS + 1):
