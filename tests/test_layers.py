@@ -72,11 +72,15 @@ LAYERS: dict[str, int] = {
     f"{T}.trainer": 18,
     # 19: the package's public names (lazily), recipe class checks, plots of finished runs
     T: 19, f"{T}.cli.signatures": 19, f"{T}.logs.plot": 19,
-    # 20-23: the YAML recipes and the command line on top of them
-    f"{T}.cli.recipe": 20, f"{T}.launch.slurm_submit": 21, f"{T}.launch.ssh_hosts": 21, f"{T}.cli.main": 22,
-    f"{T}.__main__": 23,
+    # 20-24: the YAML recipes and the command line on top of them
+    f"{T}.cli.recipe": 20, f"{T}.launch.slurm_submit": 21, f"{T}.launch.ssh_hosts": 21, f"{T}.cli.main": 23,
+    f"{T}.__main__": 24,
     # 19-21: the report of a scaling study, then the study itself (runs recipes at layouts: the recipe layer)
     f"{T}.scaling.report": 19, f"{T}.scaling.study": 21,
+    #     and `trainer plan`: one step on fake tensors (it loads recipes), its report, the plan (it reuses the study's
+    #     input parsing)
+    f"{T}.scaling.fake_step": 19, f"{T}.scaling.plan_report": 20, f"{T}.scaling.plan": 22,
+    f"{T}.scaling.measure": 21,
 }
 
 # Same-layer imports that are allowed, (importer, imported): reason.
@@ -96,6 +100,8 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.launch.slurm_submit", f"{T}.cli.recipe"): CLI_REASON,
     (f"{T}.launch.ssh_hosts", f"{T}.cli.recipe"): CLI_REASON,
     (f"{T}.cli.main", f"{T}.scaling.study"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.scaling.plan"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.scaling.plan_report"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launch.elastic"): "torch's elastic agent takes 150 ms to import; only a started job needs "
                                             "it",
     (f"{T}.cli.main", f"{T}.evaluation.evaluator"): CLI_REASON,

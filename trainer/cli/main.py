@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_evaluate_arguments(commands.add_parser("evaluate", parents=[verbose], help="score each checkpoint of a run "
                                                "with its validation_step (docs/evaluator.md)"))
     add_scale_arguments(commands.add_parser("scale", parents=[verbose], help="measure a recipe at several layouts"))
+    add_plan_arguments(commands.add_parser("plan", parents=[verbose], help="predict per-rank memory and step time "
+                                           "of layouts at any scale, without the hardware (docs/planning.md)"))
     parser.set_defaults(subcommands=commands.choices)  # parse_command_line parses the subcommand's part itself
     return parser
 
@@ -206,6 +208,22 @@ def add_scale_arguments(scale: argparse.ArgumentParser) -> None:
     scale.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps left out of the timing")
     scale.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (default 600)")
     scale.set_defaults(handler=run_scale)
+
+
+def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
+    """The options of `trainer plan` (trainer/scaling/plan.py does the work)."""
+    plan.add_argument("sources", nargs="+", metavar="RECIPE|KEY=VALUE", help="recipe files and overrides")
+    plan.add_argument("--devices", required=True, help="total ranks to plan, e.g. 8,64,512")
+    plan.add_argument("--nodes", default="1", help="node counts to spread each over (default 1), e.g. 1,8")
+    plan.add_argument("--layouts", default="ddp,fsdp", help="strategies, e.g. ddp,fsdp:shard_units=[Block]")
+    plan.add_argument("--device-memory", help="memory of one device, e.g. 80GB or 141GiB: the largest micro-batch")
+    plan.add_argument("--network", default="400Gbps:5us", help="between nodes, per rank: BANDWIDTH:LATENCY")
+    plan.add_argument("--node-network", default="900GB/s:1us", help="within a node, per rank: BANDWIDTH:LATENCY")
+    plan.add_argument("--compute-ms", type=float, help="one step's compute on the target device (default: "
+                      "measured here)")
+    plan.add_argument("--measure", action="store_true", help="also run the layouts that fit here for real and show "
+                      "each part predicted beside measured")
+    plan.set_defaults(handler=run_plan)
 
 
 # --------------------------------------------------------------------------- commands
@@ -318,6 +336,23 @@ def run_scale(args: argparse.Namespace) -> int:
         console = Console(width=200)
     rows, _ = run_study(plan, console)
     return 0 if any(row.error is None for row in rows) else 1
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Check every input, then plan each layout at each size: the table, plan.md and plan.png."""
+    from rich.console import Console
+
+    from torchyard.trainer.cli.recipe import import_from_cwd  # imports torch: see run_stage
+    from torchyard.trainer.scaling.plan import make_plan, plan_inputs, plan_title  # imports torch: see run_stage
+    from torchyard.trainer.scaling.plan_report import write_plan  # imports torch: see run_stage
+
+    import_from_cwd()
+    inputs = plan_inputs(args.sources, args.devices, args.nodes, args.layouts, args.device_memory, args.network,
+                         args.node_network, args.compute_ms, args.measure)
+    console = Console() if Console().is_terminal else Console(width=220)
+    rows = make_plan(inputs, progress=lambda label: console.print(f"planning {label}", style="dim"))
+    write_plan(rows, inputs.root, console, plan_title(inputs))
+    return 0
 
 
 # --------------------------------------------------------------------------- helpers

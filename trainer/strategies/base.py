@@ -123,6 +123,7 @@ class Strategy(ABC):
     #: Every rank takes each optimizer step together (ddp, pipeline), so a per-step collective is safe; False
     #: for workers that run at their own pace (ps), which then settle SIGTERM and NaN losses each on its own.
     steps_in_lockstep: ClassVar[bool] = True
+    plannable: ClassVar[bool] = True  #: `trainer plan` can run its step on fake tensors (setup_module_to_plan)
 
     def __init__(self) -> None:
         self.accelerator = "cpu"
@@ -273,7 +274,8 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""
-        self.module = module.to(self.root_device)
+        # Not moved when already there: fake tensors (`trainer plan`) cannot be swapped by Module.to.
+        self.module = module if _on_device(module, self.root_device) else module.to(self.root_device)
         self.model = self.module
         self._bound_training_step = bound_step(module, "training_step")  # looked up once, not every step
         # Where neither this strategy, the precision nor the module changes backward, each step calls the
@@ -285,6 +287,14 @@ class Strategy(ABC):
             and self.precision.scaler is None
             and overridden(module, "backward", TrainModule) is None
         )
+
+    def setup_module_to_plan(self, module: TrainModule) -> None:
+        """setup_module for `trainer plan` (scaling/fake_step.py): `module` is on the meta device, a FakeTensorMode
+        is active, the process group is torch's fake one; by default the module's fake tensors are made, then set up
+        as for training. A wrapper that needs real tensors overrides this with a stand-in of the same memory and
+        collectives."""
+        module.to_empty(device=self.root_device)
+        self.setup_module(module)
 
     # ------------------------------------------------------------------ the steps (the per-step path)
     def plain_training_step(self) -> Callable[[Any, int], Any] | None:
@@ -471,6 +481,11 @@ class Strategy(ABC):
             self._checkpoint_files = CheckpointFiles()
         self.checkpoint_in_flight = True
         return self._checkpoint_files
+
+
+def _on_device(module: nn.Module, device: torch.device) -> bool:
+    """Every parameter and buffer already on `device`, the host (a CUDA device without an index is ambiguous)."""
+    return device.type == "cpu" and all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
 
 
 def step_loss(output: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
               "noop": debugging_hooks.noop_hook}
 BACKENDS = ("gloo", "nccl", "mpi")
+BUCKET_CAP_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb default
 
 
 class DDPStrategy(ProcessGroupStrategy):
@@ -121,6 +123,15 @@ class DDPStrategy(ProcessGroupStrategy):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
         self._register_comm_hook(self.model)
+
+    @override
+    def setup_module_to_plan(self, module: TrainModule) -> None:
+        """DDP's reducer is C++ that needs real tensors, so `trainer plan` runs the plain module with the reducer's
+        memory and traffic: gradients are views of flat buckets, each all-reduced once its gradients are in."""
+        module.to_empty(device=self.root_device)
+        super(ProcessGroupStrategy, self).setup_module(module)
+        if self.sync_every == 1:  # local SGD averages parameters after the step instead: not planned here
+            all_reduce_in_buckets(module, self.world_size)
 
     def _register_comm_hook(self, model: DistributedDataParallel) -> None:
         hook, state = (COMM_HOOKS[self.comm_hook], None) if self.comm_hook is not None else (None, None)
@@ -239,6 +250,51 @@ class DDPStrategy(ProcessGroupStrategy):
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
+
+
+def all_reduce_in_buckets(module: torch.nn.Module, world_size: int) -> None:
+    """DDP's reducer by hand: parameters in reverse order (the order gradients arrive) in buckets, the first 1 MiB
+    and the others 25 MiB (DistributedDataParallel's defaults), each bucket a PlannedBucket."""
+    buckets: list[list[torch.nn.Parameter]] = [[]]
+    cap, size = dist._DEFAULT_FIRST_BUCKET_BYTES, 0
+    for param in reversed([p for p in module.parameters() if p.requires_grad]):
+        if buckets[-1] and size + param.numel() * param.element_size() > cap:
+            buckets.append([])
+            cap, size = BUCKET_CAP_BYTES, 0
+        buckets[-1].append(param)
+        size += param.numel() * param.element_size()
+    for params in buckets:
+        bucket = PlannedBucket(params, world_size)
+        for param in params:
+            param.register_post_accumulate_grad_hook(bucket.arrived)
+
+
+class PlannedBucket:
+    """One gradient bucket of DDP's reducer: made at the first backward, each gradient copied into its view of it
+    and left there (gradient_as_bucket_view), the whole bucket all-reduced and averaged when its last one is in."""
+
+    def __init__(self, params: list[torch.nn.Parameter], world_size: int) -> None:
+        self.index = {id(param): i for i, param in enumerate(params)}
+        self.params, self.world_size = params, world_size
+        self.flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.ready: set[int] = set()
+
+    def arrived(self, param: torch.Tensor) -> None:
+        if self.flat is None:
+            self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=param.dtype, device=param.device)
+            offsets = [sum(p.numel() for p in self.params[:i]) for i in range(len(self.params))]
+            self.views = [self.flat.narrow(0, start, p.numel()).view_as(p)
+                          for p, start in zip(self.params, offsets, strict=True)]
+        index = self.index[id(param)]
+        if param.grad._base is not self.flat:  # a fresh gradient (the last step's was set to None)
+            self.views[index].copy_(param.grad)
+            param.grad = self.views[index]
+        self.ready.add(index)
+        if len(self.ready) == len(self.params):
+            self.ready.clear()
+            dist.all_reduce(self.flat)
+            self.flat.div_(self.world_size)
 
 
 def _prepare_reducer(model: DistributedDataParallel, loss: torch.Tensor) -> None:

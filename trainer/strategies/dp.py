@@ -56,6 +56,7 @@ class DataParallelStrategy(Strategy):
     """`Trainer(strategy="dp", devices=N)`: torch.nn.DataParallel over N CUDA devices of this node."""
 
     name = "dp"
+    plannable = False  # torch DataParallel replicates onto CUDA devices in its forward: fake tensors have none
 
     def __init__(self) -> None:
         super().__init__()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -194,6 +195,19 @@ class FSDPStrategy(ProcessGroupStrategy):
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         self.model = fully_shard(StepDispatcher(module), **options)  # the root: what no unit holds
         self._sharded = (module, self.model)
+
+    @override
+    def setup_module_to_plan(self, module: TrainModule) -> None:
+        """Shard on the meta device, then make this rank's shards (fake tensors): fully_shard cuts each parameter
+        into one chunk per rank, which on the meta device is C++ alone but through fake tensors costs seconds per
+        parameter at a thousand ranks."""
+        device, self.root_device = self.root_device, torch.device("meta")
+        try:
+            with unset_fake_temporarily():  # plain meta tensors, outside the fake mode's dispatch
+                self.setup_module(module)
+        finally:
+            self.root_device = device
+        self.model.to_empty(device=device)
 
     def _shard_options(self) -> dict[str, Any]:
         policy = MIXED_PRECISION.get(self.precision.precision, MixedPrecisionPolicy())

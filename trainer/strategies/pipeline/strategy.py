@@ -61,6 +61,9 @@ class PipelineStrategy(ProcessGroupStrategy):
     """
 
     name = "pipeline"
+    # Its schedule receives shapes from the other stages and reads micro-batch indexes from tensors: a fake process
+    # group answers neither (docs/planning.md).
+    plannable = False
 
     def __init__(self, stages: int | None = None, microbatches: int = 4, schedule: str = "1f1b",
                  split_points: list[str] | None = None, stages_per_rank: int = 1, backend: str | None = None) -> None:

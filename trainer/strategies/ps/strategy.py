@@ -51,6 +51,7 @@ class ParameterServerStrategy(ProcessGroupStrategy):
     """
 
     name = "ps"
+    plannable = False  # its workers pull and push over torch.distributed.rpc, which the fake group does not serve
     steps_in_lockstep = False  # workers run at their own pace: no per-step collective among them
 
     def __init__(self, ps_servers: int = 1, staleness: int | None = None, stale_gradients: str = "scale",
