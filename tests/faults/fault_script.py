@@ -22,6 +22,7 @@ import argparse
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -97,6 +98,53 @@ class StartLog(Callback):
         if trainer.is_global_zero:
             with open(self.path, "a") as f:
                 f.write(f"{trainer.strategy.environment.restart_count} {trainer.global_step}\n")
+
+
+class SampleLog(Callback):
+    """Each rank appends '<restart count> <world size> <global step> <dataset indices>' to `path` after every batch:
+    which samples it trained, found by matching the batch's inputs to the dataset's rows (the sample ledger's
+    reference, computed without it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        rows = {tuple(row.tolist()): index for index, row in enumerate(dataset().tensors[0])}
+        indices = [rows[tuple(row.tolist())] for row in batch[0]]
+        with open(self.path, "a") as f:
+            f.write(f"{trainer.strategy.environment.restart_count} {trainer.world_size} {trainer.global_step} "
+                    f"{','.join(map(str, indices))}\n")
+
+
+def committed_samples(path: str | Path) -> dict[int, list[int]]:
+    """SampleLog's lines as what each optimizer step trained in the end: a step redone by a later attempt (after
+    a resume from a checkpoint before it) counts as that attempt did it."""
+    latest: dict[int, tuple[int, list[int]]] = {}
+    for line in Path(path).read_text().splitlines():
+        restart, _, step, indices = line.split()
+        attempt, samples = int(restart), [int(i) for i in indices.split(",")]
+        kept = latest.get(int(step))
+        if kept is None or attempt > kept[0]:
+            latest[int(step)] = (attempt, samples)
+        elif attempt == kept[0]:
+            kept[1].extend(samples)
+    return {step: samples for step, (_, samples) in sorted(latest.items())}
+
+
+def assert_each_sample_trained_once(ledger: dict, log: str | Path, steps_per_epoch: int) -> None:
+    """Each epoch trained each sample once, by SampleLog's account from the batches' inputs, and the ledger's
+    dataset indices (drawn again from its seeded order) are those same ones."""
+    trained = committed_samples(log)
+    assert sorted(trained) == list(range(1, EPOCHS * steps_per_epoch + 1))
+    for epoch in range(EPOCHS):
+        steps = range(epoch * steps_per_epoch + 1, (epoch + 1) * steps_per_epoch + 1)
+        reference = Counter(index for step in steps for index in trained[step])
+        assert reference == Counter(range(SAMPLES)), f"epoch {epoch}: {reference}"
+        meta = ledger["epochs"][str(epoch)]
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(meta["order"]["seed"] + epoch))
+        recorded = Counter(order[position].item() for s in ledger["segments"] if s[0] == epoch
+                           for position in range(s[5], s[6], s[7]) if position < SAMPLES)
+        assert recorded == reference, f"epoch {epoch}: the ledger differs from the batches' samples"
 
 
 def starts(root: str | Path) -> list[str]:
