@@ -95,7 +95,9 @@ class SampleLedger:
         return self.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": LEDGER_VERSION, "epochs": self.epochs, "segments": self.segments}
+        """A copy: a checkpoint's ledger does not change as the epoch goes on."""
+        return {"version": LEDGER_VERSION, "epochs": {key: dict(meta) for key, meta in self.epochs.items()},
+                "segments": [list(segment) for segment in self.segments]}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """The record a checkpoint kept (None: a checkpoint from before the ledger, which starts an empty one)."""
