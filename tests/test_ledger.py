@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from torchyard.trainer.cli.main import main
-from torchyard.trainer.data.ledger import LEDGER_FILE, SampleLedger, read_ledger, report
+from torchyard.trainer.data.ledger import LEDGER_FILE, SampleLedger, report
 from torchyard.trainer.data.samplers import EpochSampler, ResumableBatchSampler, resume_epoch_at
 
 
@@ -47,7 +47,8 @@ def test_a_shuffled_order_names_the_dataset_index_and_an_unfinished_epoch_misses
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-@pytest.mark.parametrize(("samples", "before", "after", "batches_done"), [(23, 2, 3, 2), (23, 3, 2, 1), (24, 2, 1, 3), (23, 2, 2, 2)])
+@pytest.mark.parametrize(("samples", "before", "after", "batches_done"),
+                         [(23, 2, 3, 2), (23, 3, 2, 1), (24, 2, 1, 3), (23, 2, 2, 2)])
 def test_the_rest_of_an_epoch_dealt_on_another_number_of_ranks_trains_each_sample_once(samples, before, after,
                                                                                       batches_done, drop_last):
     """`before` ranks trained `batches_done` batches of 2 (the batches torch's DistributedSampler deals), then

@@ -143,7 +143,8 @@ def assert_each_sample_trained_once(ledger: dict, log: str | Path) -> None:
     trained = committed_samples(log)
     assert sorted(trained) == list(range(1, len(trained) + 1))  # every step, once
     for epoch in range(EPOCHS):
-        reference = Counter(index for in_epoch, _, samples in trained.values() if in_epoch == epoch for index in samples)
+        reference = Counter(index for in_epoch, _, samples in trained.values() if in_epoch == epoch
+                            for index in samples)
         assert reference == Counter(range(SAMPLES)), f"epoch {epoch}: {reference}"
         meta = ledger["epochs"][str(epoch)]
         order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(meta["order"]["seed"] + epoch))
