@@ -90,9 +90,12 @@ def record_ledger(trainer: Trainer) -> dict[str, Any]:
     progress = trainer.progress
     state = trainer.loop_state.ledger.gather(progress.epoch_batches, progress.global_step,
                                              trainer.strategy.all_gather_object)
-    if trainer.is_global_zero and state["epochs"]:
-        folder = Path(trainer.log_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+    if not trainer.is_global_zero or not state["epochs"]:
+        return state
+    # Only beside what the run writes anyway: the folder of a run without loggers or checkpoints there
+    # (barebones, fast_dev_run, checkpoints in a dirpath of their own) stays empty and is given back.
+    folder = Path(trainer.log_dir)
+    if folder.is_dir() and any(folder.iterdir()):
         atomic_write_text(folder / LEDGER_FILE, json.dumps(state, separators=(",", ":")))
     return state
 
