@@ -23,10 +23,10 @@ import fault_script  # noqa: E402  (tests/faults: the run the fault tests use)
 @pytest.mark.timeout(120)
 def test_a_node_that_leaves_mid_epoch_leaves_the_job_on_one_node_training_each_sample_once(tmp_path):
     # The rendezvous store lives in the test, so that either agent may go; the dead node's heartbeats lapse in
-    # 2 s, and a round waits 2 s for more nodes once it has the one it needs.
+    # 2 s, and a round waits 1 s for more nodes once it has the one it needs.
     port = find_free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    conf = "is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+    conf = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
     log = tmp_path / "samples.txt"
     agent = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf={conf}", "--rdzv-id=scale-in", "--monitor-interval=0.2",
