@@ -88,3 +88,10 @@ def test_a_checkpoints_stretches_join_again_and_the_first_untrained_position_is_
     state = ledger.gather(0, 0, lambda obj: [obj])
     assert state["segments"] == [[0, 0, 2, 0, 3, 0, 12, 2], [0, 1, 2, 0, 3, 1, 11, 2]]
     assert ledger.first_untrained(0) == 8  # 0..10 and 11 is past the epoch's 8 samples (padding)
+
+
+def test_a_folder_without_a_ledger_is_one_line_and_status_2(tmp_path, capsys):
+    assert main(["ledger", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"trainer ledger: error: {str(tmp_path / LEDGER_FILE)!r} does not exist: give a run folder "
+        f"(runs/<name>/version_<n>) of a fit that saved a checkpoint or ended, or its {LEDGER_FILE}.\n")

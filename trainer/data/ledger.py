@@ -232,5 +232,5 @@ def read_ledger(run_folder: str | Path) -> dict[str, Any]:
     path = path / LEDGER_FILE if path.is_dir() else path
     if not path.is_file():
         raise MisconfigurationError(f"{str(path)!r} does not exist: give a run folder (runs/<name>/version_<n>) of a "
-                                    f"fit that saved a checkpoint, or its {LEDGER_FILE}.")
+                                    f"fit that saved a checkpoint or ended, or its {LEDGER_FILE}.")
     return json.loads(path.read_text())
