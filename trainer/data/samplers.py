@@ -50,8 +50,8 @@ class ShardedSampler(Sampler[int]):
 class EpochSampler(DistributedSampler):
     """torch's DistributedSampler (the same order and shares), which can also deal out the rest of an epoch.
 
-    `resume_at(position)`: positions [0, position) of the epoch's order were trained (on any number of ranks);
-    this epoch's pass deals positions position.. to the ranks, padded or cut to equal shares as
+    With `start` set (resume_epoch_at): positions [0, start) of the epoch's order were trained (on any number of
+    ranks), and this epoch's pass deals positions start.. to the ranks, padded or cut to equal shares as
     DistributedSampler does. Its length still counts the `lead_samples` that stand for the trained part, so that
     the epoch keeps the batch count a fresh one has here (the loop's batch limit, schedulers and validation
     points stay as they are). The next set_epoch deals whole epochs again.
@@ -159,7 +159,8 @@ def resume_epoch_at(loader: DataLoader, position: int) -> int | None:
     if not isinstance(batch_sampler, ResumableBatchSampler) or not isinstance(batch_sampler.sampler, EpochSampler):
         return None
     sampler, size = batch_sampler.sampler, batch_sampler.batch_size
-    whole_epoch = len(batch_sampler)
+    sampler.start = sampler.lead_samples = 0
+    whole_epoch = len(batch_sampler)  # what a fresh epoch has at this number of ranks
     sampler.start = position
     rest = sampler.rest_count()
     rest_batches = rest // size if batch_sampler.drop_last else math.ceil(rest / size)
