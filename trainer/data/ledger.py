@@ -129,7 +129,7 @@ def resume_trained_epoch(ledger: SampleLedger, loader: DataLoader, progress: Any
         return
     position = ledger.first_untrained(progress.epoch)
     done = None if position is None else resume_epoch_at(loader, position)
-    if done is not None:
+    if done is not None and done != progress.epoch_batches:  # another number of ranks: other batch counts
         progress.validated_batches = done if progress.validated_batches == progress.epoch_batches else 0
         progress.epoch_batches = done
 
