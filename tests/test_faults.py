@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from faults import fault_script
-from faults.fault_script import KillAt, Net, fit, starts
+from faults.fault_script import KillAt, Net, SampleLog, fit, starts
 from processes import reaped
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,7 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchyard.callbacks import Callback, ModelCheckpoint
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.checkpointing.files import load_checkpoint_file
+from torchyard.trainer.cli.main import main as ledger_command
 from torchyard.trainer.cluster.environment import find_free_port
+from torchyard.trainer.data.ledger import read_ledger
 from torchyard.trainer.data.loaders import prepare_loader
 from torchyard.trainer.errors import CheckpointError
 from torchyard.trainer.loop import faults
@@ -422,11 +424,18 @@ def test_an_elastic_restart_after_a_rank_is_killed_resumes_to_the_uninterrupted_
 ):
     """The seed from Trainer(seed=) or from the script's seed_everything (which reaches the workers as the
     launching process's RNG state): the run that lost rank 1 and restarted ends on the uninterrupted weights."""
-    module = fit(tmp_path, strategy, [KillAt(5, rank=1)], max_restarts=1, seed_from=seed_from)  # rank 1 dies at 5
+    log = tmp_path / "samples.txt"
+    module = fit(tmp_path, strategy, [KillAt(5, rank=1), SampleLog(str(log))], max_restarts=1,
+                 seed_from=seed_from)  # rank 1 dies at 5
     assert "restart 1: resuming from" in capfd.readouterr().err
     assert starts(tmp_path) == ["0 0", "1 3"]  # the restarted group began at the last checkpoint, not at 0
     assert_same_weights(module.state_dict(), uninterrupted(strategy, seed_from)[0])
     assert metrics_rows(tmp_path) == uninterrupted(strategy, seed_from)[1]
+    # The sample ledger (run folder and `trainer ledger`) shows each epoch's samples once, as the batches held them.
+    fault_script.assert_each_sample_trained_once(read_ledger(run_folder(tmp_path)), log)
+    assert ledger_command(["ledger", str(run_folder(tmp_path))]) == 0
+    assert capfd.readouterr().out.splitlines() == [f"epoch {e}: 48 of 48 samples trained, each exactly once"
+                                                   for e in (0, 1)]
 
 
 @pytest.mark.timeout(120)

@@ -29,6 +29,8 @@ LAYERS: dict[str, int] = {
     f"{T}.checkpointing.files": 1, f"{T}.data.batches": 1, f"{C}.base": 1, f"{T}.data.combined": 1,
     f"{T}.checkpointing.hparams": 1, f"{T}.cluster.script_guard": 1, f"{T}.data.samplers": 1,
     f"{T}.loop.host_memory": 1,
+    #    and the sample ledger over the samplers' deals
+    f"{T}.data.ledger": 2,
     # 2: the metric writers (CSV, TensorBoard, MLflow), and Lightning's import path for them; the forkserver that the
     #    workers of a spawned job fork from (it asks where the script called us); the checks every node of a
     #    multi-node job runs before the nodes meet; the evaluator's record of a run
@@ -94,6 +96,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.cli.main", f"{T}.cli.recipe"): CLI_REASON,
     (f"{T}.cli.main", f"{T}.checkpointing.resume"): CLI_REASON,
     (f"{T}.cli.main", f"{T}.data.batches"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.data.ledger"): CLI_REASON,
     (f"{T}.cli.main", f"{T}.checkpointing.files"): CLI_REASON,
     (f"{T}.cli.main", f"{T}.strategies.fsdp_checkpoint"): CLI_REASON,
     (f"{T}.cli.main", f"{T}.logs.plot"): "matplotlib, needed only by `trainer plot`",
@@ -120,7 +123,7 @@ FOLDER_IMPORTS: dict[str, set[str]] = {
     "cluster": {"root"},
     "data": {"root", "cluster"},
     "logs": {"root", "data"},
-    "checkpointing": {"root", "logs", "loop"},
+    "checkpointing": {"root", "data", "logs", "loop"},  # data: the sample ledger a checkpoint keeps
     "strategies": {"root", "checkpointing", "cluster", "data", "logs"},
     "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
     "loop": {"root", "callbacks", "data", "evaluation", "strategies"},

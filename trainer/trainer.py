@@ -19,7 +19,12 @@ from torchyard.trainer.checkpointing.resume import (
     resolve_ckpt_path,
     resume_after_restart,
 )
-from torchyard.trainer.checkpointing.state import build_checkpoint, restore_checkpoint, save_adopted_checkpoint
+from torchyard.trainer.checkpointing.state import (
+    build_checkpoint,
+    record_ledger,
+    restore_checkpoint,
+    save_adopted_checkpoint,
+)
 from torchyard.trainer.config import TrainerConfig, make_config
 from torchyard.trainer.data.batches import batch_limit
 from torchyard.trainer.data.loaders import build_loaders, stage_loaders
@@ -317,6 +322,7 @@ class Trainer(TrainerProperties):
             anomaly = torch.autograd.set_detect_anomaly(True) if config.detect_anomaly else contextlib.nullcontext()
             with faults.StepGuard(self) as guard, anomaly:  # SIGTERM and non-finite losses, settled at optimizer steps
                 fit_loop(self, loaders[0], loaders[1:], guard)
+            record_ledger(self)  # the fit's whole sample ledger, in its run folder
             self.strategy.finish_checkpoints()  # the fit's checkpoints are under their names before on_fit_end
             with self.metrics.scope("train", in_step=False):  # as the fit loop's last hooks: it logs per epoch
                 self._hooks.call("on_fit_end")

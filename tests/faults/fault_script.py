@@ -10,6 +10,9 @@ test time to signal the run while it trains.
 --slow-write-at: at step STEP the checkpoint write stalls half-way, after writing <root>/marker.
 --seed-from: the run's seed is Trainer(seed=) (the default), or seed_everything in the script (no Trainer seed),
 which the workers get from the launching process's RNG state.
+--leave-at: under torchrun, one process per node (strategy ddp_node, --num-nodes N): rank 1 SIGKILLs its node's
+torchrun agent and then itself right after optimizer step STEP, on the job's first attempt: its node leaves.
+--sample-log: every rank appends which samples each batch held to this file (SampleLog).
 
 The run: dropout, Adam and a StepLR, a shuffled loader, step and epoch metrics in metrics.csv, and a
 ModelCheckpoint every 3 steps keeping every file plus last.ckpt, so a resume must restore RNG, optimizer,
@@ -22,6 +25,7 @@ import argparse
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -34,7 +38,8 @@ from torchyard.trainer import Trainer, TrainModule, seed_everything
 
 SAMPLES, BATCH, EPOCHS, SEED = 48, 4, 2, 7  # one process: 12 steps an epoch; ddp on 2: 6
 #: The strategy each name runs, and on how many processes.
-STRATEGIES = {"single": ("single", 1), "ddp": ("ddp", 2), "fsdp": ({"name": "fsdp", "checkpoint": "sharded"}, 2)}
+STRATEGIES = {"single": ("single", 1), "ddp": ("ddp", 2), "fsdp": ({"name": "fsdp", "checkpoint": "sharded"}, 2),
+              "ddp_node": ("ddp", 1)}
 
 
 def dataset(samples: int = SAMPLES, offset: int = 0) -> TensorDataset:
@@ -66,12 +71,14 @@ class Net(TrainModule):
 class KillAt(Callback):
     """SIGKILL this process right after optimizer step `step` on `rank`, on the job's first attempt only."""
 
-    def __init__(self, step: int, rank: int = 0) -> None:
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int = 0, with_agent: bool = False) -> None:
+        self.step, self.rank, self.with_agent = step, rank, with_agent
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         first_attempt = trainer.strategy.environment.restart_count == 0
         if trainer.global_step == self.step and trainer.global_rank == self.rank and first_attempt:
+            if self.with_agent:  # the torchrun agent that started this process: the whole node goes
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -97,6 +104,53 @@ class StartLog(Callback):
         if trainer.is_global_zero:
             with open(self.path, "a") as f:
                 f.write(f"{trainer.strategy.environment.restart_count} {trainer.global_step}\n")
+
+
+class SampleLog(Callback):
+    """Each rank appends '<restart count> <world size> <global step> <dataset indices>' to `path` after every batch:
+    which samples it trained, found by matching the batch's inputs to the dataset's rows (the sample ledger's
+    reference, computed without it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        rows = {tuple(row.tolist()): index for index, row in enumerate(dataset().tensors[0])}
+        indices = [rows[tuple(row.tolist())] for row in batch[0]]
+        with open(self.path, "a") as f:
+            f.write(f"{trainer.strategy.environment.restart_count} {trainer.world_size} {trainer.current_epoch} "
+                    f"{trainer.global_step} {','.join(map(str, indices))}\n")
+
+
+def committed_samples(path: str | Path) -> dict[int, tuple[int, int, list[int]]]:
+    """SampleLog's lines as what each optimizer step trained in the end, {step: (epoch, world size, samples)}: a
+    step redone by a later attempt (after a resume from a checkpoint before it) counts as that attempt did it."""
+    latest: dict[int, tuple[int, int, int, list[int]]] = {}
+    for line in Path(path).read_text().splitlines():
+        restart, world, epoch, step, indices = line.split()
+        attempt, samples = int(restart), [int(i) for i in indices.split(",")]
+        kept = latest.get(int(step))
+        if kept is None or attempt > kept[0]:
+            latest[int(step)] = (attempt, int(epoch), int(world), samples)
+        elif attempt == kept[0]:
+            kept[3].extend(samples)
+    return {step: (epoch, world, samples) for step, (_, epoch, world, samples) in sorted(latest.items())}
+
+
+def assert_each_sample_trained_once(ledger: dict, log: str | Path) -> None:
+    """Each epoch trained each sample once, by SampleLog's account from the batches' inputs, and the ledger's
+    dataset indices (drawn again from its seeded order) are those same ones."""
+    trained = committed_samples(log)
+    assert sorted(trained) == list(range(1, len(trained) + 1))  # every step, once
+    for epoch in range(EPOCHS):
+        reference = Counter(index for in_epoch, _, samples in trained.values() if in_epoch == epoch
+                            for index in samples)
+        assert reference == Counter(range(SAMPLES)), f"epoch {epoch}: {reference}"
+        meta = ledger["epochs"][str(epoch)]
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(meta["order"]["seed"] + epoch))
+        recorded = Counter(order[position].item() for s in ledger["segments"] if s[0] == epoch
+                           for position in range(s[5], s[6], s[7]) if position < SAMPLES)
+        assert recorded == reference, f"epoch {epoch}: the ledger differs from the batches' samples"
 
 
 def starts(root: str | Path) -> list[str]:
@@ -183,16 +237,24 @@ def main() -> None:
     parser.add_argument("--slow-from", type=int)
     parser.add_argument("--slow-write-at", type=int)
     parser.add_argument("--seed-from", choices=["trainer", "seed_everything"], default="trainer")
+    parser.add_argument("--leave-at", type=int)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--sample-log")
     args = parser.parse_args()
     marker = str(Path(args.root) / "marker")
     callbacks: list[Callback] = []
     if args.kill_at is not None:
         callbacks.append(KillAt(args.kill_at, rank=1 if STRATEGIES[args.strategy][1] > 1 else 0))
+    if args.leave_at is not None:
+        callbacks.append(KillAt(args.leave_at, rank=1, with_agent=True))
+    if args.sample_log is not None:
+        callbacks.append(SampleLog(args.sample_log))
     if args.slow_from is not None:
         callbacks.append(SlowFrom(args.slow_from, marker))
     if args.slow_write_at is not None:
         callbacks.append(StallCheckpointWriteAt(args.slow_write_at, marker))
-    fit(args.root, args.strategy, callbacks, seed_from=args.seed_from)
+    options = {"num_nodes": args.num_nodes} if args.num_nodes > 1 else {}
+    fit(args.root, args.strategy, callbacks, seed_from=args.seed_from, **options)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ trainer/checkpointing/files.py's."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,8 +17,9 @@ from torchyard.trainer.checkpointing.files import (
     unloadable,
     weights_mismatch,
 )
+from torchyard.trainer.data.ledger import LEDGER_FILE
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
-from torchyard.trainer.logs.runs import run_folder
+from torchyard.trainer.logs.runs import atomic_write_text, run_folder
 from torchyard.trainer.loop.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
             "version": trainer.version, "folder": run_folder(trainer.config.default_root_dir, trainer.config.name),
             # Per rank, like rng: each rank's running epoch means of self.log values.
             "metrics": strategy.all_gather_object(trainer.metrics.state_dict() if trainer.metrics is not None else {}),
+            "ledger": record_ledger(trainer),  # which samples each rank trained, as far as this checkpoint
         },
         "callbacks": {callback.state_key: callback.state_dict() for callback in trainer.callbacks},
         # The step tells a resumed logger which of the rows logged after the checkpoint to keep.
@@ -104,6 +107,22 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
         "strategy": strategy.state_dict(trainer.optimizers),  # e.g. local SGD's averager steps and replicas
     }
+
+
+def record_ledger(trainer: Trainer) -> dict[str, Any]:
+    """Every rank's sample ledger up to now (data/ledger.py), which rank 0 also writes to the run folder's
+    LEDGER_FILE, atomically. A collective: call on every rank (at each checkpoint and at the fit's end)."""
+    progress = trainer.progress
+    state = trainer.loop_state.ledger.gather(progress.epoch_batches, progress.global_step,
+                                             trainer.strategy.all_gather_object)
+    if not trainer.is_global_zero or not state["epochs"]:
+        return state
+    # Only beside what the run writes anyway: the folder of a run without loggers or checkpoints there
+    # (barebones, fast_dev_run, checkpoints in a dirpath of their own) stays empty and is given back.
+    folder = Path(trainer.log_dir)
+    if folder.is_dir() and any(folder.iterdir()):
+        atomic_write_text(folder / LEDGER_FILE, json.dumps(state, separators=(",", ":")))
+    return state
 
 
 def _rng_with_epoch_start(trainer: Trainer) -> dict[str, Any]:
@@ -239,6 +258,7 @@ def restore_schedulers(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
 def restore_progress(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Where the run stood, in this run's batches per process."""
     trainer.progress.load_state_dict(checkpoint["loops"]["progress"])
+    trainer.loop_state.ledger.load_state_dict(checkpoint["loops"].get("ledger"))
     saved_size = checkpoint["loops"].get("data_parallel_size", trainer.strategy.data_parallel_size)
     _rescale_epoch_position(trainer, int(saved_size))
 
@@ -300,7 +320,9 @@ def _rescale_epoch_position(trainer: Trainer, saved_size: int) -> None:
         return
     trained, progress.epoch_batches = progress.epoch_batches, progress.epoch_batches * saved_size // size
     progress.validated_batches = progress.epoch_batches if progress.validated_batches == trained else 0
-    if trainer.is_global_zero:
+    # Where the ledger recorded the epoch's seeded order, the loop deals its rest again exactly (data/ledger.py).
+    exact = trainer.loop_state.ledger.epochs.get(str(progress.epoch), {}).get("order", {}).get("kind") == "seeded"
+    if trainer.is_global_zero and not exact:
         warnings.warn(
             f"resuming mid-epoch on {size} data-parallel process(es) from a checkpoint of {saved_size}: epoch "
             f"{progress.epoch} goes on after {progress.epoch_batches} batches per process ({trained} per process were "

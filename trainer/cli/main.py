@@ -8,6 +8,7 @@
     trainer submit RECIPE [...] --nodes N [--gpus-per-node G] [--dry-run]   a SLURM batch job (launch/slurm_submit.py)
     trainer launch --hosts H1,H2 [--nproc-per-node N] RECIPE|SCRIPT.py [...]  one node per host over ssh
     trainer checkpoint convert FOLDER FILE                   a sharded (fsdp) checkpoint as one full file
+    trainer ledger RUN_DIR                                   which samples each epoch trained, and any twice or missed
     trainer scale RECIPE [...] --devices 1,2,4 [--nodes 1,2] [--steps S | --epochs E] [--target val/acc=0.97]
                   [--variants ddp,ddp:sync_every=8]    scale-up vs scale-out study (trainer/scaling/study.py)
 
@@ -166,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("folder", help="a sharded checkpoint folder (strategy fsdp, checkpoint: sharded)")
     checkpoint.add_argument("file", help="the full checkpoint file to write")
     checkpoint.set_defaults(handler=convert_checkpoint)
+    ledger = commands.add_parser("ledger", parents=[verbose], help="show that every sample of every epoch trained "
+                                 "exactly once (docs/fault-tolerance.md)")
+    ledger.add_argument("run_dir", metavar="RUN_DIR", help="a fit's version folder (or its sample_ledger.json)")
+    ledger.set_defaults(handler=show_ledger)
     add_submit_arguments(commands.add_parser("submit", parents=[verbose], help="run a recipe as a SLURM batch job"))
     add_launch_arguments(commands.add_parser("launch", parents=[verbose],
                                              help="run a recipe or script on several hosts over ssh, one node each"))
@@ -319,6 +324,15 @@ def convert_checkpoint(args: argparse.Namespace) -> int:
         raise MisconfigurationError(f"{str(out)!r} is a folder; give the path of the file to write.")
     print(f"wrote {convert_to_file(folder, out)}")
     return 0
+
+
+def show_ledger(args: argparse.Namespace) -> int:
+    """Per epoch: how many samples trained, and each one trained twice or missed; status 1 if any was."""
+    from torchyard.trainer.data.ledger import read_ledger, report  # imports torch: see run_stage
+
+    lines, clean = report(read_ledger(args.run_dir))
+    print("\n".join(lines))
+    return 0 if clean else 1
 
 
 def run_scale(args: argparse.Namespace) -> int:

@@ -36,6 +36,9 @@ class ClusterEnvironment:
     use_agent_store: bool = False
     #: How many times an elastic agent restarted this job (0 on the first attempt).
     restart_count: int = 0
+    #: How many restarts the elastic agent allows (torchrun --max-restarts, or Trainer(max_restarts)): above 0, an
+    #: attempt may run on fewer or more nodes than the last (torchrun --nnodes=MIN:MAX).
+    max_restarts: int = 0
     #: torchrun's rendezvous id (--rdzv-id, or a fresh one per --standalone job): the same in every attempt of
     #: one job. None for its default "none", which tells one job from another no more than no id does.
     run_id: str | None = None
@@ -86,6 +89,7 @@ def torchrun_environment(env: Mapping[str, str]) -> ClusterEnvironment | None:
         master_addr=env["MASTER_ADDR"], master_port=_int(env, "MASTER_PORT"),
         use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
         run_id=env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None,
     )
 

@@ -14,7 +14,6 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
-    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -23,7 +22,7 @@ from torch.utils.data import (
 
 from torchyard.trainer.cluster.environment import usable_cores
 from torchyard.trainer.data.combined import CombinedLoader, as_loader_list, training_loader
-from torchyard.trainer.data.samplers import ResumableBatchSampler, ShardedSampler
+from torchyard.trainer.data.samplers import EpochSampler, ResumableBatchSampler, ShardedSampler
 from torchyard.trainer.datamodule import DataModule
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import BatchTransferHooks, TrainModule, overridden
@@ -199,7 +198,7 @@ def _rank_sampler(loader: DataLoader, train: bool, num_replicas: int, rank: int,
         return user_sampler
     if train and isinstance(user_sampler, (RandomSampler, SequentialSampler)):
         shuffle = isinstance(user_sampler, RandomSampler)
-        return DistributedSampler(loader.dataset, num_replicas, rank, shuffle, seed, drop_last=loader.drop_last)
+        return EpochSampler(loader.dataset, num_replicas, rank, shuffle, seed, drop_last=loader.drop_last)
     if num_replicas == 1:
         return user_sampler
     if isinstance(user_sampler, RandomSampler) and user_sampler.generator is None:

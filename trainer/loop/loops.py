@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from torchyard.trainer.data.batches import batch_limit, epoch_batches, move_to_device, val_every, validates_after
 from torchyard.trainer.data.combined import CombinedLoader
+from torchyard.trainer.data.ledger import resume_trained_epoch
 from torchyard.trainer.data.loaders import batch_mover, data_wait_advice, measure_data_wait, set_epoch
 from torchyard.trainer.data.samplers import draw_epoch_order, skip_batches
 from torchyard.trainer.errors import MisconfigurationError
@@ -101,6 +102,8 @@ class FitEpochs:
         self.module.train()
         set_epoch(self.train_loader, self.progress.epoch)
         self._skip_trained_batches()
+        self.state.ledger.open(self.progress.epoch, self.train_loader, self.progress.epoch_batches,
+                               self.progress.global_step, self.num_batches)
         self.hooks.call("on_train_epoch_start")
 
     def _reload_loaders_if_due(self) -> None:
@@ -117,6 +120,7 @@ class FitEpochs:
 
     def _skip_trained_batches(self) -> None:
         progress = self.progress
+        resume_trained_epoch(self.state.ledger, self.train_loader, progress)  # the rest dealt again, exactly
         if skip_batches(self.train_loader, progress.epoch_batches):
             return
         # A loader whose batches are dealt as they are asked for (async ps) cannot start mid-epoch: the epoch
@@ -187,6 +191,7 @@ class FitEpochs:
         progress, metrics = self.progress, self.metrics
         self.guard.read_losses()  # a NaN kept unread (on an accelerator) stops the fit before the epoch's values
         progress.epoch_done = finished
+        self.state.ledger.close(progress.epoch_batches, progress.global_step, finished)
         if progress.epoch_done:
             _validate_if_due(self.trainer, self.val_loaders)
         elif _steps_done(self.trainer):  # recorded as done at this batch: a resume from here does not validate again

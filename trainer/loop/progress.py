@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from torchyard.trainer.data.ledger import SampleLedger
+
 
 @dataclass
 class Progress:
@@ -69,3 +71,5 @@ class LoopState:
     read_losses: Callable[[], None] | None = None
     #: After restoring a mid-epoch checkpoint: its epoch_start_rng, until the resumed epoch has drawn its order.
     resumed_epoch_rng: torch.Tensor | None = None
+    #: Which positions of each epoch's order every rank trained (data/ledger.py), kept in checkpoints.
+    ledger: SampleLedger = field(default_factory=SampleLedger)

@@ -375,7 +375,8 @@ class Strategy(ABC):
         return prepare_loader(
             loader, train=train, num_replicas=self.data_parallel_size, rank=self.data_parallel_rank, seed=seed,
             pin_memory=True if self.root_device.type == "cuda" else None,
-            own_order=self.environment.world_size == 1,  # a job of several processes draws one order, seeded
+            # A job of several processes (or one that may become several: elastic) draws one order, seeded.
+            own_order=self.environment.world_size == 1 and not self.environment.max_restarts,
         )
 
     def batch_to_device(self, batch: Any) -> Any:

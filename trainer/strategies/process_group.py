@@ -68,7 +68,9 @@ class ProcessGroupStrategy(Strategy):
 
     def _check_launch(self, environment: ClusterEnvironment) -> None:
         expected = self.devices * self.num_nodes
-        if environment.world_size != expected:
+        # An elastic job (torchrun --nnodes=MIN:MAX) re-forms on the nodes it has: num_nodes is then the most.
+        elastic = environment.max_restarts > 0 and environment.local_world_size == self.devices
+        if environment.world_size != expected and not (elastic and 0 < environment.world_size <= expected):
             raise MisconfigurationError(
                 f"{environment.name} started {environment.world_size} process(es), but Trainer(devices={self.devices}, "
                 f"num_nodes={self.num_nodes}) expects {expected}; make them match (processes per node = devices)."
