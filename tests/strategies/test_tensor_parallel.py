@@ -1,0 +1,152 @@
+"""fsdp x tensor parallel on one DeviceMesh: layouts refused before any process starts, and a 4-process gloo job
+(tp_cases.py, started once for the module) against one process: dp=2 x tp=2 training, and its checkpoints (a full
+file and a sharded folder) resumed at tp=1 x dp=2, tp=2 x dp=1 and on one process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import tp_cases
+from processes import reaped
+from tp_cases import EPOCHS, GLOBAL_BATCH, QUIET, RESUMED_EPOCHS, SEED, TPNet, fresh, loader
+
+from torchyard.trainer import Trainer, TrainModule
+from torchyard.trainer.cli.main import main as cli
+from torchyard.trainer.cluster.environment import find_free_port
+from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.strategies import build_strategy
+from torchyard.trainer.strategies.mesh import MeshLayout, layout_for
+
+TOLERANCE = 1e-5  # DTensor reduces in another order than one process does: equal to rounding, not bitwise
+
+
+def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+# --------------------------------------------------------------------------- layouts refused in one line
+
+
+def test_layouts_split_the_world_tensor_parallel_innermost():
+    assert layout_for(8, "X", tensor_parallel=2) == MeshLayout(dp_shard=4, tp=2)
+    assert layout_for(8, "X", tensor_parallel=2, replicate=2) == MeshLayout(dp_replicate=2, dp_shard=2, tp=2)
+    assert layout_for(8, "X", tensor_parallel=2, pipeline=2, shard=False) == MeshLayout(pp=2, dp_replicate=2, tp=2)
+    assert layout_for(8, "X", tensor_parallel=2, replicate=2).describe() == "dp_replicate=2 x dp_shard=2 x tp=2"
+
+
+def test_a_layout_that_does_not_divide_the_world_is_refused_when_the_trainer_is_built():
+    with pytest.raises(MisconfigurationError) as caught:
+        Trainer(strategy={"name": "fsdp", "tensor_parallel": 4}, devices=6, accelerator="cpu")
+    assert str(caught.value) == (
+        "FSDPStrategy: tensor_parallel=4 = 4 does not divide devices x num_nodes = 6; use a world size that is a "
+        "multiple of 4, or smaller sizes that divide 6.")
+    with pytest.raises(MisconfigurationError, match=r"^FSDPStrategy: replicate=2 x tensor_parallel=2 = 4 does not"):
+        Trainer(strategy={"name": "fsdp", "tensor_parallel": 2, "replicate": 2}, devices=2, num_nodes=3,
+                accelerator="cpu")
+    with pytest.raises(MisconfigurationError) as caught:
+        build_strategy({"name": "fsdp", "tensor_parallel": 0})
+    assert str(caught.value) == "FSDPStrategy(tensor_parallel=0) must be a positive whole number (1 turns it off)."
+
+
+@pytest.mark.parametrize("name", ["dp", "ddp", "ps"])
+def test_tensor_parallel_with_dp_ddp_or_ps_is_refused(name):
+    with pytest.raises(MisconfigurationError, match=rf"^strategy {name!r} has no option 'tensor_parallel'; its options"):
+        build_strategy({"name": name, "tensor_parallel": 2})
+
+
+def test_a_module_without_a_plan_under_tensor_parallel_is_refused_naming_the_hook():
+    class NoPlan(TPNet):
+        configure_model = TrainModule.configure_model  # no plan
+
+    trainer = Trainer(strategy={"name": "fsdp", "tensor_parallel": 2}, devices=2, **QUIET)
+    with pytest.raises(MisconfigurationError) as caught:
+        trainer.fit(NoPlan(), loader(1))
+    assert str(caught.value) == (
+        "FSDPStrategy(tensor_parallel=2) needs NoPlan.configure_model(self) to apply a tensor-parallel plan, e.g. "
+        "parallelize_module(self.block, self.device_mesh['tp'], {'up': ColwiseParallel(), 'down': "
+        "RowwiseParallel()}); it has none.")
+
+
+@pytest.mark.timeout(60)  # a process group and a mesh of one rank: several seconds on two loaded cores
+def test_on_one_process_the_module_sees_a_mesh_of_one_rank_and_trains_as_single(tmp_path):
+    module, reference = fresh(), fresh()
+    Trainer(strategy="fsdp", devices=1, max_epochs=1, seed=SEED, **QUIET).fit(module, loader(1))
+    Trainer(strategy="single", devices=1, max_epochs=1, seed=SEED, **QUIET).fit(reference, loader(1))
+    assert module.device_mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert tuple(module.device_mesh.shape) == (1, 1, 1, 1)
+    assert_close_weights(tp_cases.gathered(module), reference.state_dict())
+
+
+# --------------------------------------------------------------------------- the 4-process job
+
+
+def one_process(max_epochs: int, ckpt=None) -> tuple[dict[str, torch.Tensor], Trainer]:
+    """The same run on one process, its batch the job's global batch."""
+    module = fresh()
+    trainer = Trainer(strategy="single", max_epochs=max_epochs, seed=SEED, gradient_clip_val=tp_cases.CLIP, **QUIET)
+    trainer.fit(module, loader(1), ckpt_path=ckpt)
+    return module.state_dict(), trainer
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_job")
+    port, *pair_ports = (str(find_free_port()) for _ in range(3))
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, tp_cases.__file__, str(out), *pair_ports], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+    with reaped(procs):
+        outputs = [proc.communicate(timeout=170)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(output[-3000:] for output in outputs)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_dp2_x_tp2_trains_20_adamw_steps_as_one_process_does(job):
+    results = torch.load(job / "dp2_tp2.pt", weights_only=True)
+    weights, trainer = one_process(EPOCHS)
+    assert results["global_step"] == trainer.global_step == 20
+    assert_close_weights(results["weights"], weights)
+    # The metrics are reduced over the data-parallel replicas: a sum counts each sample once, not once per TP rank.
+    assert results["metrics"]["samples"] == trainer.callback_metrics["samples"] == len(tp_cases.dataset())
+    assert results["metrics"]["train_loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]), abs=1e-6)
+    # The sampler shards by data-parallel rank: the two ranks of a TP group read the same batch, the groups differ.
+    first = results["first_batches"]
+    assert results["data_parallel_size"] == 2 and first[0] == first[1] and first[2] == first[3] != first[0]
+    whole = next(iter(loader(1)))[0]
+    assert first[0] + first[2] == pytest.approx(float(whole.sum()), abs=1e-4)
+
+
+@pytest.mark.timeout(200)
+def test_full_and_sharded_checkpoints_of_dp2_x_tp2_resume_at_other_layouts_and_on_one_process(job, tmp_path):
+    full = torch.load(job / "full.ckpt", weights_only=True)
+    saved = torch.load(job / "dp2_tp2.pt", weights_only=True)["weights"]
+    # The full file holds single-device keys, whole tensors (the DTensors gathered), and torch's optimizer layout.
+    assert_close_weights(full["state_dict"], saved)
+    single_state = one_process(EPOCHS)[1]
+    assert len(full["optimizer_states"][0]["state"]) == len(list(TPNet().parameters()))
+    assert full["optimizer_states"][0]["state"][1]["exp_avg"].shape == (8,)
+    reference, _ = one_process(RESUMED_EPOCHS)  # uninterrupted: 30 steps
+    for layout in ("tp1", "tp2"):  # the full file at tp=1 x dp=2; the sharded folder at tp=2 x dp=1
+        resumed = torch.load(job / f"resumed_{layout}.pt", weights_only=True)
+        assert resumed["global_step"] == 30
+        assert_close_weights(resumed["weights"], reference)
+    # On one process: the full file, and the sharded folder converted by `trainer checkpoint convert`.
+    converted = tmp_path / "converted.ckpt"
+    assert cli(["checkpoint", "convert", str(job / "sharded.ckpt"), str(converted)]) == 0
+    assert_close_weights(torch.load(converted, weights_only=True)["state_dict"], saved)
+    for source in (job / "full.ckpt", converted):
+        weights, trainer = one_process(RESUMED_EPOCHS, ckpt=source)
+        assert trainer.global_step == 30
+        assert_close_weights(weights, reference)
+    assert single_state.global_step == 20
