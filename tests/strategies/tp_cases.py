@@ -2,6 +2,8 @@
 
     RANK=r WORLD_SIZE=4 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tp_cases.py OUT_DIR PORT_A PORT_B
 
+0. All 4 ranks: a 2-stage pipeline x tp=2, then a 2-stage pipeline x fsdp=2 (its replicas shard each stage), 20
+   AdamW steps each, clipped by the global norm.
 1. All 4 ranks: fsdp with tensor_parallel=2 (dp=2 x tp=2) trains 20 AdamW steps, clipped by the global norm, and
    at its end writes the same state twice: a full file (`full.ckpt`) and a sharded folder (`sharded.ckpt`).
 2. The job's group is left, and the ranks pair up in two jobs of 2: ranks 0-1 resume the full file at tp=1 x dp=2,
@@ -28,6 +30,7 @@ from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.strategies.fsdp import FSDPStrategy
+from torchyard.trainer.strategies.pipeline.strategy import PipelineStrategy
 
 SEED, GLOBAL_BATCH, LR, CLIP = 3, 8, 0.02, 0.05
 EPOCHS, RESUMED_EPOCHS = 2, 3  # 10 steps an epoch: 20 steps, then 10 more after the resume
@@ -88,6 +91,9 @@ class TPNet(TrainModule):
         self.log("samples", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         return loss
 
+    def pipeline_loss(self, output, batch):
+        return F.mse_loss(output, batch[1])
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
@@ -125,10 +131,9 @@ def gathered(module: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in module.state_dict().items()}
 
 
-def fit(strategy: FSDPStrategy, devices: int, max_epochs: int, ckpt: Path | None,
-        callbacks: list[Callback]) -> dict[str, Any]:
+def fit(strategy: FSDPStrategy | PipelineStrategy, devices: int, max_epochs: int, ckpt: Path | None,
+        callbacks: list[Callback], data_parallel: int) -> dict[str, Any]:
     module = fresh()
-    data_parallel = devices // strategy.tensor_parallel
     trainer = Trainer(strategy=strategy, devices=devices, max_epochs=max_epochs, seed=SEED, gradient_clip_val=CLIP,
                       callbacks=callbacks, **QUIET)
     trainer.fit(module, loader(data_parallel), ckpt_path=ckpt)
@@ -142,7 +147,14 @@ def main() -> None:
     torch.set_num_threads(1)
     out, ports = Path(sys.argv[1]), [int(p) for p in sys.argv[2:4]]
     rank = int(os.environ["RANK"])
-    results = fit(FSDPStrategy(tensor_parallel=2, shard_units=["MLPBlock"]), 4, EPOCHS, None, [SaveBoth(out)])
+    pipelines = {"pp2_tp2": (PipelineStrategy(stages=2, microbatches=2, tensor_parallel=2), 1),
+                 "pp2_fsdp2": (PipelineStrategy(stages=2, microbatches=2, data_parallel="fsdp"), 2)}
+    for name, (strategy, data_parallel) in pipelines.items():
+        results = fit(strategy, 4, EPOCHS, None, [], data_parallel)
+        if rank == 0:
+            torch.save(results, out / f"{name}.pt")
+    strategy = FSDPStrategy(tensor_parallel=2, shard_units=["MLPBlock"])
+    results = fit(strategy, 4, EPOCHS, None, [SaveBoth(out)], 2)
     if rank == 0:
         torch.save(results, out / "dp2_tp2.pt")
     dist.destroy_process_group()
@@ -152,7 +164,7 @@ def main() -> None:
                                      local_world_size=2, master_port=ports[pair])
     tensor_parallel, source = ((1, "full.ckpt"), (2, "sharded.ckpt"))[pair]
     strategy = FSDPStrategy(tensor_parallel=tensor_parallel, environment=environment)
-    results = fit(strategy, 2, RESUMED_EPOCHS, out / source, [])
+    results = fit(strategy, 2, RESUMED_EPOCHS, out / source, [], 2 // tensor_parallel)
     if pair_rank == 0:
         torch.save(results, out / f"resumed_tp{tensor_parallel}.pt")
 

@@ -44,9 +44,10 @@ from torchyard.trainer.strategies.mesh import (
     MeshLayout,
     broadcast_tensor_parallel_shards,
     build_mesh,
+    check_plan_applied,
+    check_plan_hook,
     clip_grad_norm_across_meshes,
     data_parallel_mesh,
-    has_tensor_parallel_plan,
     layout_for,
     positive_size,
     shard_mesh,
@@ -181,11 +182,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         process starts (a module that builds its layers in setup or configure_model is checked once it has)."""
         super().check_module(module, stage)
         builds_later = type(module).configure_model is not TrainModule.configure_model
-        if self.tensor_parallel > 1 and not builds_later:
-            raise MisconfigurationError(
-                f"FSDPStrategy(tensor_parallel={self.tensor_parallel}) needs {type(module).__name__}.configure_model"
-                "(self) to apply a tensor-parallel plan, e.g. parallelize_module(self.block, self.device_mesh['tp'], "
-                "{'up': ColwiseParallel(), 'down': RowwiseParallel()}); it has none.")
+        check_plan_hook("FSDPStrategy", self.tensor_parallel, module, builds_later)
         if type(module).setup is TrainModule.setup and not builds_later:
             self._check_layers(module)
 
@@ -219,11 +216,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             self.model = self._sharded[1]  # a later stage in the same job (torchrun): the module is sharded already
             return
         self._check_layers(module)
-        if self.tensor_parallel > 1 and not has_tensor_parallel_plan(module, self.device_mesh):
-            raise MisconfigurationError(
-                f"FSDPStrategy(tensor_parallel={self.tensor_parallel}): {type(module).__name__}.configure_model "
-                "applied no tensor-parallel plan (no parameter is a DTensor on self.device_mesh['tp']); call "
-                "parallelize_module there, or use tensor_parallel=1.")
+        check_plan_applied("FSDPStrategy", self.tensor_parallel, module)
         if self.sync_batchnorm:
             module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         super().setup_module(module)

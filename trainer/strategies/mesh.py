@@ -27,6 +27,8 @@ from torchyard.trainer.errors import MisconfigurationError
 
 #: The mesh's dimension names, outermost first.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+#: pipeline's order: rank r is stage r % stages (per TP rank), as before meshes had names.
+PIPELINE_ORDER = ("dp_replicate", "dp_shard", "pp", "tp")
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -84,10 +86,10 @@ def layout_for(world_size: int, owner: str, *, tensor_parallel: int = 1, replica
     return MeshLayout(pp=pipeline, dp_replicate=replicate * rest, dp_shard=1, tp=tensor_parallel)
 
 
-def build_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh:
-    """The job's mesh, every dimension named (those of size 1 too, so `mesh["tp"]` always exists). A collective:
-    every rank calls it once the default process group is up."""
-    return init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
+def build_mesh(device_type: str, layout: MeshLayout, order: tuple[str, ...] = MESH_DIMS) -> DeviceMesh:
+    """The job's mesh, every dimension named (those of size 1 too, so `mesh["tp"]` always exists), laid out in
+    `order` (outermost first). A collective: every rank calls it once the default process group is up."""
+    return init_device_mesh(device_type, tuple(getattr(layout, name) for name in order), mesh_dim_names=order)
 
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -111,13 +113,69 @@ def tensor_parallel_size(mesh: DeviceMesh | None) -> int:
     return 1 if mesh is None else mesh["tp"].size()
 
 
-def has_tensor_parallel_plan(module: nn.Module, mesh: DeviceMesh) -> bool:
-    """Whether some parameter of `module` is a DTensor over the mesh's "tp" dimension (a plan was applied)."""
+def check_plan_hook(owner: str, tensor_parallel: int, module: nn.Module, has_hook: bool) -> None:
+    """Before any process starts: tensor parallel needs the module's configure_model, where its plan is applied."""
+    if tensor_parallel > 1 and not has_hook:
+        raise MisconfigurationError(
+            f"{owner}(tensor_parallel={tensor_parallel}) needs {type(module).__name__}.configure_model(self) to apply "
+            "a tensor-parallel plan, e.g. parallelize_module(self.block, self.device_mesh['tp'], {'up': "
+            "ColwiseParallel(), 'down': RowwiseParallel()}); it has none.")
+
+
+def check_plan_applied(owner: str, tensor_parallel: int, module: nn.Module) -> None:
+    """After configure_model: some parameter is a DTensor over the mesh's "tp" dimension (a plan was applied)."""
+    if tensor_parallel == 1:
+        return
     for parameter in module.parameters():
         names = parameter.device_mesh.mesh_dim_names if isinstance(parameter, DTensor) else None
         if names and "tp" in names:
-            return True
-    return False
+            return
+    raise MisconfigurationError(
+        f"{owner}(tensor_parallel={tensor_parallel}): {type(module).__name__}.configure_model applied no "
+        "tensor-parallel plan (no parameter is a DTensor on self.device_mesh['tp']); call parallelize_module there, "
+        "or use tensor_parallel=1.")
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard; a plain tensor as it is)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(value: object) -> object:
+    """`value` (a tensor, or containers of them) with every DTensor gathered whole, on the host. A collective over
+    each DTensor's mesh: every rank holding it calls this in the same order."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().cpu()
+    if isinstance(value, dict):
+        return {key: whole(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(whole(item) for item in value)
+    return value
+
+
+def into_layout(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor laid out as `like` (this rank's slice of it, as a DTensor where `like` is one). Every rank
+    holds `value` whole, so nothing is sent."""
+    if not isinstance(like, DTensor):
+        return value.to(like.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def load_whole_state(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """A single-device state dict into a module whose tensors may be DTensors (tensor parallel, sharded):
+    each rank copies its own slice, so nothing is sent."""
+    own = module.state_dict(keep_vars=True)
+    missing, unexpected = own.keys() - state_dict.keys(), state_dict.keys() - own.keys()
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"state dict does not fit {type(module).__name__}: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+    with torch.no_grad():
+        for key in own.keys() & state_dict.keys():
+            target, value = own[key], into_layout(state_dict[key], own[key])
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.copy_(value.to_local() if isinstance(value, DTensor) else value)
 
 
 def broadcast_tensor_parallel_shards(module: nn.Module, dp_mesh: DeviceMesh) -> None:
