@@ -79,10 +79,12 @@ class Classifier(TrainModule):
 
 def hand_written(rank: int, port: int, data, args: argparse.Namespace) -> list[tuple[float, float]]:
     """The textbook fsdp x tp loop on a (dp_shard, tp) mesh."""
-    if dist.is_initialized():  # a launched Trainer leaves its group up for the script, as Lightning does
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))
+    # One group for the whole benchmark: a launched Trainer leaves its group up for the script (as Lightning does)
+    # and joins the one it finds. (Destroying it and meshing a new one of the same shape was seen here to leave
+    # parallelize_module's hooks on a group torch no longer resolves.)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=300))
     mesh = init_device_mesh("cpu", (WORLD // TP, TP), mesh_dim_names=("dp_shard", "tp"))
     torch.manual_seed(0)
     model = make_net(args.width, args.blocks)
@@ -101,7 +103,6 @@ def hand_written(rank: int, port: int, data, args: argparse.Namespace) -> list[t
         optimizer.step()
         stamps.append(stamp())
     del model, optimizer
-    dist.destroy_process_group()
     return step_times(stamps, WARMUP)
 
 

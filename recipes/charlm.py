@@ -181,12 +181,14 @@ class TensorParallelCharLM(CharLM):
             return
         # Imported here: DTensor's parallel styles are needed only where a mesh splits the model.
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from torchyard.trainer.strategies.mesh import parallelize
 
         plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
         for block in self.blocks:
             if not isinstance(block.mlp[0].weight, DTensor):  # a later stage calls configure_model again
-                parallelize_module(block, mesh["tp"], plan)
+                parallelize(block, mesh["tp"], plan)  # parallelize_module, refusing a key that names no layer
 
 
 # --------------------------------------------------------------------------- the data

@@ -1,8 +1,8 @@
 """Tensor parallel and N-D layouts on one DeviceMesh: layouts refused before any process starts, and a 4-process
-gloo job (tp_cases.py, started once for the module) against one process: pipeline=2 x tp=2, pipeline=2 x fsdp=2
-and fsdp dp=2 x tp=2 training, and the last one's checkpoints (a full file and a sharded folder) resumed at
-tp=1 x dp=2, tp=2 x dp=1 and on one process. (An 8-process pp x fsdp x tp run is left out: on CI's two cores it
-would take more than the slow-test budget.)
+gloo job (tp_cases.py, started once for the module) against one process: pipeline=2 x tp=2, pipeline=2 x fsdp=2,
+HSDP replicate=2 x tp=2 and fsdp dp=2 x tp=2 training, and the last one's checkpoints (a full file and a sharded
+folder) resumed at tp=1 x dp=2, tp=2 x dp=1 and on one process. (An 8-process pp x fsdp x tp run is left out: on
+CI's two cores it would take more than the slow-test budget.)
 """
 
 from __future__ import annotations
@@ -78,6 +78,18 @@ def test_a_module_without_a_plan_under_tensor_parallel_is_refused_naming_the_hoo
         "RowwiseParallel()}); it has none.")
 
 
+def test_a_plan_that_names_a_missing_module_is_refused_in_one_line():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from torchyard.trainer.strategies.mesh import parallelize
+
+    block = tp_cases.MLPBlock(8)
+    with pytest.raises(MisconfigurationError) as caught:
+        parallelize(block, None, {"upp": ColwiseParallel()})
+    assert str(caught.value) == ("tensor-parallel plan key 'upp' names no submodule of MLPBlock (did you mean 'up'?); "
+                                 "its submodules: norm, up, down.")
+
+
 @pytest.mark.timeout(60)  # a process group and a mesh of one rank: several seconds on two loaded cores
 def test_on_one_process_the_module_sees_a_mesh_of_one_rank_and_trains_as_single(tmp_path):
     module, reference = fresh(), fresh()
@@ -146,8 +158,8 @@ def test_dp2_x_tp2_trains_20_adamw_steps_as_one_process_does(job):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("case", "replicas"), [("pp2_tp2", 1), ("pp2_fsdp2", 2)])
-def test_a_2_stage_pipeline_x_tp2_or_x_fsdp2_trains_as_one_process_does(job, case, replicas):
+@pytest.mark.parametrize(("case", "replicas"), [("pp2_tp2", 1), ("pp2_fsdp2", 2), ("hsdp2_tp2", 2)])
+def test_pipeline_x_tp_pipeline_x_fsdp_and_hsdp_x_tp_train_as_one_process_does(job, case, replicas):
     results = torch.load(job / f"{case}.pt", weights_only=True)
     weights, trainer = one_process(EPOCHS)
     assert results["global_step"] == 20 and results["data_parallel_size"] == replicas
@@ -177,3 +189,17 @@ def test_full_and_sharded_checkpoints_of_dp2_x_tp2_resume_at_other_layouts_and_o
         assert trainer.global_step == 30
         assert_close_weights(weights, reference)
     assert single_state.global_step == 20
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_dp2_x_tp2_full_file_resumes_on_one_gpu_under_fsdp(job):
+    """The single-process and checkpoint case on a GPU (several nccl ranks would need several GPUs)."""
+    module = fresh()
+    options = {**QUIET, "accelerator": "cuda"}
+    trainer = Trainer(strategy="fsdp", devices=1, max_epochs=RESUMED_EPOCHS, seed=SEED,
+                      gradient_clip_val=tp_cases.CLIP, **options)
+    trainer.fit(module, loader(1), ckpt_path=job / "full.ckpt")
+    reference, _ = one_process(RESUMED_EPOCHS)
+    for key, value in tp_cases.gathered(module).items():  # another device's kernels: rounding, not bitwise
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-4, msg=key)

@@ -2,8 +2,8 @@
 
     RANK=r WORLD_SIZE=4 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tp_cases.py OUT_DIR PORT_A PORT_B
 
-0. All 4 ranks: a 2-stage pipeline x tp=2, then a 2-stage pipeline x fsdp=2 (its replicas shard each stage), 20
-   AdamW steps each, clipped by the global norm.
+0. All 4 ranks: a 2-stage pipeline x tp=2, a 2-stage pipeline x fsdp=2 (its replicas shard each stage), and fsdp
+   as HSDP replicate=2 x tp=2; 20 AdamW steps each, clipped by the global norm.
 1. All 4 ranks: fsdp with tensor_parallel=2 (dp=2 x tp=2) trains 20 AdamW steps, clipped by the global norm, and
    at its end writes the same state twice: a full file (`full.ckpt`) and a sharded folder (`sharded.ckpt`).
 2. The job's group is left, and the ranks pair up in two jobs of 2: ranks 0-1 resume the full file at tp=1 x dp=2,
@@ -23,13 +23,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.strategies.fsdp import FSDPStrategy
+from torchyard.trainer.strategies.mesh import parallelize
 from torchyard.trainer.strategies.pipeline.strategy import PipelineStrategy
 
 SEED, GLOBAL_BATCH, LR, CLIP = 3, 8, 0.02, 0.05
@@ -77,7 +78,7 @@ class TPNet(TrainModule):
             return
         for block in (self.net[1], self.net[2]):
             if not isinstance(block.up.weight, DTensor):  # a later stage calls this again
-                parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                parallelize(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -149,6 +150,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     pipelines = {"pp2_tp2": (PipelineStrategy(stages=2, microbatches=2, tensor_parallel=2), 1),
                  "pp2_fsdp2": (PipelineStrategy(stages=2, microbatches=2, data_parallel="fsdp"), 2)}
+    pipelines["hsdp2_tp2"] = (FSDPStrategy(tensor_parallel=2, replicate=2), 2)  # dp_replicate=2 x tp=2
     for name, (strategy, data_parallel) in pipelines.items():
         results = fit(strategy, 4, EPOCHS, None, [], data_parallel)
         if rank == 0:

@@ -16,14 +16,16 @@ decides which shard of the data a rank reads, so all ranks of a TP group get the
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.errors import MisconfigurationError, closest
 
 #: The mesh's dimension names, outermost first.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -136,6 +138,22 @@ def check_plan_applied(owner: str, tensor_parallel: int, module: nn.Module) -> N
         "or use tensor_parallel=1.")
 
 
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
+    """torch's parallelize_module(module, mesh, plan), but a plan key that names no submodule is a one-line error
+    (torch only warns, and the layer then silently stays whole on every rank). Keys are dotted paths whose parts
+    may hold fnmatch wildcards ("blocks.*.mlp.0"), as torch's are."""
+    names = [name for name, _ in module.named_modules() if name]
+    for key in plan:
+        parts = key.split(".")
+        if not any(len(name.split(".")) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in
+                                                                zip(name.split("."), parts, strict=True))
+                   for name in names):
+            raise MisconfigurationError(
+                f"tensor-parallel plan key {key!r} names no submodule of {type(module).__name__}"
+                f"{closest(key, names)}; its submodules: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''}.")
+    return parallelize_module(module, mesh, plan)
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor (a DTensor's local shard; a plain tensor as it is)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -225,4 +243,4 @@ def clip_grad_norm_across_meshes(parameters: list[torch.Tensor], max_norm: float
 
 
 __all__ = ["MESH_DIMS", "MeshLayout", "build_mesh", "clip_grad_norm_across_meshes", "data_parallel_mesh",
-           "layout_for", "shard_mesh"]
+           "layout_for", "parallelize", "shard_mesh"]
