@@ -9,6 +9,8 @@
 2. The job's group is left, and the ranks pair up in two jobs of 2: ranks 0-1 resume the full file at tp=1 x dp=2,
    ranks 2-3 the sharded folder at tp=2 x dp=1; each trains one epoch more.
 Rank 0 of each part writes `<part>.pt`: the final weights (gathered), the callback metrics, and what each rank saw.
+
+With `3d` in place of the ports, on 8 ranks: pipeline=2 x fsdp=2 x tp=2 alone, into `pp2_fsdp2_tp2.pt`.
 """
 
 from __future__ import annotations
@@ -144,8 +146,18 @@ def fit(strategy: FSDPStrategy | PipelineStrategy, devices: int, max_epochs: int
             "first_batches": trainer.strategy.all_gather_object(module.first_batch)}
 
 
+def three_d(out: Path) -> None:
+    """8 ranks: pipeline=2 x fsdp=2 x tp=2 (not a test: more than CI's two cores can run in the slow-test budget)."""
+    strategy = PipelineStrategy(stages=2, microbatches=2, tensor_parallel=2, data_parallel="fsdp")
+    results = fit(strategy, 8, EPOCHS, None, [], 2)
+    if int(os.environ["RANK"]) == 0:
+        torch.save(results, out / "pp2_fsdp2_tp2.pt")
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if sys.argv[2] == "3d":
+        return three_d(Path(sys.argv[1]))
     out, ports = Path(sys.argv[1]), [int(p) for p in sys.argv[2:4]]
     rank = int(os.environ["RANK"])
     pipelines = {"pp2_tp2": (PipelineStrategy(stages=2, microbatches=2, tensor_parallel=2), 1),

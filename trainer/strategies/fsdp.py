@@ -151,7 +151,7 @@ class FSDPStrategy(ProcessGroupStrategy):
     @property
     @override
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel  # a TP group's ranks read one batch together
+        return max(1, self.world_size // self.tensor_parallel)  # a TP group's ranks read one batch together
 
     @property
     @override
