@@ -92,12 +92,12 @@ def test_a_plan_that_names_a_missing_module_is_refused_in_one_line():
 
 @pytest.mark.timeout(60)  # a process group and a mesh of one rank: several seconds on two loaded cores
 def test_on_one_process_the_module_sees_a_mesh_of_one_rank_and_trains_as_single(tmp_path):
-    module, reference = fresh(), fresh()
+    module, single = fresh(), fresh()
     Trainer(strategy="fsdp", devices=1, max_epochs=1, seed=SEED, **QUIET).fit(module, loader(1))
-    Trainer(strategy="single", devices=1, max_epochs=1, seed=SEED, **QUIET).fit(reference, loader(1))
+    Trainer(strategy="single", devices=1, max_epochs=1, seed=SEED, **QUIET).fit(single, loader(1))
     assert module.device_mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
     assert tuple(module.device_mesh.shape) == (1, 1, 1, 1)
-    assert_close_weights(tp_cases.gathered(module), reference.state_dict())
+    assert_close_weights(tp_cases.gathered(module), single.state_dict())
 
 
 def test_the_charlm_tp_recipe_names_the_model_with_a_plan_and_keeps_charlms_keys():
@@ -126,6 +126,16 @@ def one_process(max_epochs: int, ckpt=None) -> tuple[dict[str, torch.Tensor], Tr
 
 
 @pytest.fixture(scope="module")
+def reference() -> dict[int, tuple[dict[str, torch.Tensor], dict[str, float], int]]:
+    """One process's weights, metrics and steps after EPOCHS and after RESUMED_EPOCHS (computed once)."""
+    runs = {}
+    for epochs in (EPOCHS, RESUMED_EPOCHS):
+        weights, trainer = one_process(epochs)
+        runs[epochs] = weights, {k: float(v) for k, v in trainer.callback_metrics.items()}, trainer.global_step
+    return runs
+
+
+@pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_job")
     port, *pair_ports = (str(find_free_port()) for _ in range(3))
@@ -142,14 +152,14 @@ def job(tmp_path_factory):
 
 
 @pytest.mark.timeout(200)
-def test_dp2_x_tp2_trains_20_adamw_steps_as_one_process_does(job):
+def test_dp2_x_tp2_trains_20_adamw_steps_as_one_process_does(job, reference):
     results = torch.load(job / "dp2_tp2.pt", weights_only=True)
-    weights, trainer = one_process(EPOCHS)
-    assert results["global_step"] == trainer.global_step == 20
+    weights, metrics, steps = reference[EPOCHS]
+    assert results["global_step"] == steps == 20
     assert_close_weights(results["weights"], weights)
     # The metrics are reduced over the data-parallel replicas: a sum counts each sample once, not once per TP rank.
-    assert results["metrics"]["samples"] == trainer.callback_metrics["samples"] == len(tp_cases.dataset())
-    assert results["metrics"]["train_loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]), abs=1e-6)
+    assert results["metrics"]["samples"] == metrics["samples"] == len(tp_cases.dataset())
+    assert results["metrics"]["train_loss"] == pytest.approx(metrics["train_loss"], abs=1e-6)
     # The sampler shards by data-parallel rank: the two ranks of a TP group read the same batch, the groups differ.
     first = results["first_batches"]
     assert results["data_parallel_size"] == 2 and first[0] == first[1] and first[2] == first[3] != first[0]
@@ -159,27 +169,27 @@ def test_dp2_x_tp2_trains_20_adamw_steps_as_one_process_does(job):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("case", "replicas"), [("pp2_tp2", 1), ("pp2_fsdp2", 2), ("hsdp2_tp2", 2)])
-def test_pipeline_x_tp_pipeline_x_fsdp_and_hsdp_x_tp_train_as_one_process_does(job, case, replicas):
+def test_pipeline_x_tp_pipeline_x_fsdp_and_hsdp_x_tp_train_as_one_process_does(job, reference, case, replicas):
     results = torch.load(job / f"{case}.pt", weights_only=True)
-    weights, trainer = one_process(EPOCHS)
+    weights = reference[EPOCHS][0]
     assert results["global_step"] == 20 and results["data_parallel_size"] == replicas
     assert_close_weights(results["weights"], weights)  # after fit every rank holds the whole model (gathered)
 
 
 @pytest.mark.timeout(200)
-def test_full_and_sharded_checkpoints_of_dp2_x_tp2_resume_at_other_layouts_and_on_one_process(job, tmp_path):
+def test_full_and_sharded_checkpoints_of_dp2_x_tp2_resume_at_other_layouts_and_on_one_process(job, reference,
+                                                                                               tmp_path):
     full = torch.load(job / "full.ckpt", weights_only=True)
     saved = torch.load(job / "dp2_tp2.pt", weights_only=True)["weights"]
     # The full file holds single-device keys, whole tensors (the DTensors gathered), and torch's optimizer layout.
     assert_close_weights(full["state_dict"], saved)
-    single_state = one_process(EPOCHS)[1]
     assert len(full["optimizer_states"][0]["state"]) == len(list(TPNet().parameters()))
     assert full["optimizer_states"][0]["state"][1]["exp_avg"].shape == (8,)
-    reference, _ = one_process(RESUMED_EPOCHS)  # uninterrupted: 30 steps
-    for layout in ("tp1", "tp2"):  # the full file at tp=1 x dp=2; the sharded folder at tp=2 x dp=1
+    uninterrupted = reference[RESUMED_EPOCHS][0]  # 30 steps
+    for layout in ("tp1", "tp2"):  # the sharded folder at tp=1 x dp=2; the full file at tp=2 x dp=1
         resumed = torch.load(job / f"resumed_{layout}.pt", weights_only=True)
         assert resumed["global_step"] == 30
-        assert_close_weights(resumed["weights"], reference)
+        assert_close_weights(resumed["weights"], uninterrupted)
     # On one process: the full file, and the sharded folder converted by `trainer checkpoint convert`.
     converted = tmp_path / "converted.ckpt"
     assert cli(["checkpoint", "convert", str(job / "sharded.ckpt"), str(converted)]) == 0
@@ -187,19 +197,18 @@ def test_full_and_sharded_checkpoints_of_dp2_x_tp2_resume_at_other_layouts_and_o
     for source in (job / "full.ckpt", converted):
         weights, trainer = one_process(RESUMED_EPOCHS, ckpt=source)
         assert trainer.global_step == 30
-        assert_close_weights(weights, reference)
-    assert single_state.global_step == 20
+        assert_close_weights(weights, uninterrupted)
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_dp2_x_tp2_full_file_resumes_on_one_gpu_under_fsdp(job):
+def test_on_cuda_the_dp2_x_tp2_full_file_resumes_on_one_gpu_under_fsdp(job, reference):
     """The single-process and checkpoint case on a GPU (several nccl ranks would need several GPUs)."""
     module = fresh()
     options = {**QUIET, "accelerator": "cuda"}
     trainer = Trainer(strategy="fsdp", devices=1, max_epochs=RESUMED_EPOCHS, seed=SEED,
                       gradient_clip_val=tp_cases.CLIP, **options)
     trainer.fit(module, loader(1), ckpt_path=job / "full.ckpt")
-    reference, _ = one_process(RESUMED_EPOCHS)
+    uninterrupted = reference[RESUMED_EPOCHS][0]
     for key, value in tp_cases.gathered(module).items():  # another device's kernels: rounding, not bitwise
-        torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-4, msg=key)
+        torch.testing.assert_close(value.cpu(), uninterrupted[key], rtol=0, atol=1e-4, msg=key)

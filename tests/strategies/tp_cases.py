@@ -6,8 +6,8 @@
    as HSDP replicate=2 x tp=2; 20 AdamW steps each, clipped by the global norm.
 1. All 4 ranks: fsdp with tensor_parallel=2 (dp=2 x tp=2) trains 20 AdamW steps, clipped by the global norm, and
    at its end writes the same state twice: a full file (`full.ckpt`) and a sharded folder (`sharded.ckpt`).
-2. The job's group is left, and the ranks pair up in two jobs of 2: ranks 0-1 resume the full file at tp=1 x dp=2,
-   ranks 2-3 the sharded folder at tp=2 x dp=1; each trains one epoch more.
+2. The job's group is left, and the ranks pair up in two jobs of 2: ranks 0-1 resume the sharded folder at
+   tp=1 x dp=2, ranks 2-3 the full file at tp=2 x dp=1; each trains one epoch more.
 Rank 0 of each part writes `<part>.pt`: the final weights (gathered), the callback metrics, and what each rank saw.
 
 With `3d` in place of the ports, on 8 ranks: pipeline=2 x fsdp=2 x tp=2 alone, into `pp2_fsdp2_tp2.pt`.
@@ -176,7 +176,7 @@ def main() -> None:
     pair, pair_rank = divmod(rank, 2)
     environment = ClusterEnvironment("torchrun", global_rank=pair_rank, local_rank=pair_rank, world_size=2,
                                      local_world_size=2, master_port=ports[pair])
-    tensor_parallel, source = ((1, "full.ckpt"), (2, "sharded.ckpt"))[pair]
+    tensor_parallel, source = ((1, "sharded.ckpt"), (2, "full.ckpt"))[pair]
     strategy = FSDPStrategy(tensor_parallel=tensor_parallel, environment=environment)
     results = fit(strategy, 2, RESUMED_EPOCHS, out / source, [], 2 // tensor_parallel)
     if pair_rank == 0:
