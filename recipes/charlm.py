@@ -167,6 +167,30 @@ class CharLM(TrainModule):
         return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.99))
 
 
+class TensorParallelCharLM(CharLM):
+    """CharLM whose blocks carry a tensor-parallel plan (recipes/charlm_tp.yaml): under a strategy with
+    `tensor_parallel: N`, each block's MLP is split across the N ranks of `self.device_mesh["tp"]`, its first linear
+    by output columns and its second by input rows, so the hidden activation (4 x width) never leaves its rank and one
+    all-reduce per block joins the halves. Attention stays whole on every rank: its fused qkv projection is laid out
+    [q | k | v], which a column split would cut across heads. The weights keep CharLM's names and shapes, so its
+    checkpoints load into CharLM and back."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or mesh["tp"].size() == 1:
+            return
+        # Imported here: DTensor's parallel styles are needed only where a mesh splits the model.
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from torchyard.trainer.strategies.mesh import parallelize
+
+        plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        for block in self.blocks:
+            if not isinstance(block.mlp[0].weight, DTensor):  # a later stage calls configure_model again
+                parallelize(block, mesh["tp"], plan)  # parallelize_module, refusing a key that names no layer
+
+
 # --------------------------------------------------------------------------- the data
 
 

@@ -48,7 +48,7 @@ LAYERS: dict[str, int] = {
     f"{T}.logs.metrics": 8, f"{T}.evaluation.predictions": 8,
     # 8-11: the strategies: shared pieces, then the strategies, each above the ones it extends
     f"{T}.strategies.distributed": 9, f"{T}.strategies.pipeline.split": 9, f"{T}.strategies.base": 9,
-    f"{T}.strategies.comm_timing": 9,
+    f"{T}.strategies.comm_timing": 9, f"{T}.strategies.mesh": 9,
     f"{T}.strategies": 10, f"{T}.strategies.process_group": 10, f"{T}.strategies.single": 10,
     f"{T}.strategies.dp": 10, f"{T}.strategies.ps.server": 10,
     f"{T}.strategies.fsdp_checkpoint": 10,

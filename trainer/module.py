@@ -184,7 +184,8 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
 
     def configure_model(self) -> None:
         """Called after setup(stage), each stage, in every process: build layers here (make it idempotent:
-        a second stage calls it again on the same module)."""
+        a second stage calls it again on the same module). Under a strategy with a mesh (fsdp, pipeline),
+        `self.device_mesh` is set by then: apply tensor-parallel plans on `self.device_mesh["tp"]` here."""
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Backward of the loss (already scaled under a grad scaler); override for e.g. retain_graph=True.
@@ -289,6 +290,12 @@ class TrainModule(HyperparametersMixin, BatchTransferHooks, nn.Module):
     def local_rank(self) -> int:
         """This process's rank on its node."""
         return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def device_mesh(self) -> Any:
+        """The strategy's DeviceMesh, its dimensions named "pp", "dp_replicate", "dp_shard" and "tp"
+        (trainer/strategies/mesh.py); None without a trainer or under a strategy that builds none."""
+        return self._trainer.strategy.device_mesh if self._trainer is not None else None
 
     @property
     def current_epoch(self) -> int:

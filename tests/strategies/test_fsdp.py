@@ -321,7 +321,7 @@ class SelfSharding(Net):
         from torch.distributed.fsdp import fully_shard
 
         for block in (self.net[1], self.net[2]):
-            fully_shard(block, mesh=self.trainer.strategy.device_mesh)
+            fully_shard(block, mesh=self.device_mesh["dp_shard"])
 
 
 def test_a_module_may_shard_itself_in_configure_model(tmp_path):

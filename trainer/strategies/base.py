@@ -138,6 +138,9 @@ class Strategy(ABC):
         self.keeps_process_group = False
         self.module: TrainModule | None = None  # the user's module, unwrapped
         self.model: nn.Module | None = None  # what the steps run through (a wrapper or the module)
+        #: The job's DeviceMesh, dimensions named (strategies/mesh.py), where the strategy lays its ranks on one
+        #: (fsdp, pipeline); the module reads it as `self.device_mesh`.
+        self.device_mesh: Any = None
         self._bound_training_step: Callable[[Any, int], Any] | None = None  # see setup_module
         self._plain_backward = False
         self._unsynced_folders: set[Path] = set()  # rank 0: folders holding renames not yet made durable

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as checkpointed
@@ -41,6 +41,18 @@ from torchyard.trainer.strategies.fsdp_checkpoint import (
     remove_path,
     save_sharded,
 )
+from torchyard.trainer.strategies.mesh import (
+    MeshLayout,
+    broadcast_tensor_parallel_shards,
+    build_mesh,
+    check_plan_applied,
+    check_plan_hook,
+    clip_grad_norm_across_meshes,
+    data_parallel_mesh,
+    layout_for,
+    positive_size,
+    shard_mesh,
+)
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
 
 CHECKPOINT_KINDS = ("full", "sharded")
@@ -57,12 +69,15 @@ class FSDPStrategy(ProcessGroupStrategy):
 
     shard_units: class names of the submodules that become their own shard units (e.g. the transformer block);
     min_params: instead, every submodule holding at least this many parameters not in a smaller unit. Without
-    either, the module's own configure_model may call `fully_shard(layer, mesh=self.trainer.strategy.device_mesh)`;
+    either, the module's own configure_model may call `fully_shard(layer, mesh=self.device_mesh["dp_shard"])`;
     the rest (the root) is always one unit. reshard_after_forward: free gathered weights after each unit's forward
     (ZeRO-3; False keeps them until backward, ZeRO-2). cpu_offload: keep shards, gradients and optimizer state on
     the host (CUDA). activation_checkpointing: class names whose forward is recomputed in backward.
     sync_batchnorm: batch norm statistics over every rank (CUDA). checkpoint: 'full' (one file, gathered to
     rank 0, which every strategy loads) or 'sharded' (a folder, every rank writing its shard through DCP).
+    tensor_parallel: ranks that split each parallelized layer (the module's configure_model applies its plan on
+    `self.device_mesh["tp"]`); replicate: replicas of the sharded model (HSDP: shards within a replica, gradients
+    all-reduced across them). The rest of devices x num_nodes shards (mesh: mesh.py).
     """
 
     name = "fsdp"
@@ -78,8 +93,13 @@ class FSDPStrategy(ProcessGroupStrategy):
         sync_batchnorm: bool = False,
         checkpoint: str = "full",
         environment: str | ClusterEnvironment | None = None,
+        tensor_parallel: int = 1,
+        replicate: int = 1,
     ) -> None:
         super().__init__(backend, environment)
+        self.tensor_parallel = positive_size("FSDPStrategy", "tensor_parallel", tensor_parallel)
+        self.replicate = positive_size("FSDPStrategy", "replicate", replicate)
+        self.layout = MeshLayout(dp_replicate=replicate, tp=tensor_parallel)  # completed by configure
         if backend is not None and backend not in BACKENDS:
             raise MisconfigurationError(f"FSDPStrategy(backend={backend!r}) is not known; use one of "
                                         f"{', '.join(BACKENDS)} or leave it unset.")
@@ -99,13 +119,16 @@ class FSDPStrategy(ProcessGroupStrategy):
         self.cpu_offload = bool(cpu_offload)
         self.sync_batchnorm = bool(sync_batchnorm)
         self.checkpoint = checkpoint
-        self.device_mesh: DeviceMesh | None = None  # this job's ranks, built when the process joins the group
+        self.device_mesh: DeviceMesh | None = None  # this job's ranks (mesh.py), built when the process joins the group
+        self._dp_mesh: DeviceMesh | None = None  # dp_replicate x dp_shard as one dimension, under tensor parallel
         self._sharded: tuple[nn.Module, nn.Module] | None = None  # (module, its sharded root) of the last setup
 
     # ------------------------------------------------------------------ the world
     @override
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: str) -> None:
         super().configure(accelerator, devices, num_nodes, precision)
+        self.layout = layout_for(devices * num_nodes, "FSDPStrategy", tensor_parallel=self.tensor_parallel,
+                                 replicate=self.replicate)
         if self.precision.precision == "16-mixed":
             raise MisconfigurationError("strategy='fsdp' takes precision='bf16-mixed' or '32' (fp16 would need a "
                                         "gradient scaler across shards); use 'bf16-mixed'.")
@@ -120,9 +143,21 @@ class FSDPStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self, environment: ClusterEnvironment) -> None:
-        """Join the group, then lay every rank of the job on one mesh dimension, the one FSDP shards over."""
+        """Join the group, then lay the job's ranks on the layout's mesh (FSDP shards over its data-parallel part)."""
         super().setup_environment(environment)
-        self.device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        self.device_mesh = build_mesh(self.root_device.type, self.layout)
+        if self.tensor_parallel > 1:
+            self._dp_mesh = data_parallel_mesh(self.device_mesh)
+
+    @property
+    @override
+    def data_parallel_size(self) -> int:
+        return max(1, self.world_size // self.tensor_parallel)  # a TP group's ranks read one batch together
+
+    @property
+    @override
+    def data_parallel_rank(self) -> int:
+        return self.global_rank // self.tensor_parallel  # tp is the mesh's innermost dimension
 
     @override
     def teardown(self) -> None:
@@ -147,7 +182,9 @@ class FSDPStrategy(ProcessGroupStrategy):
         """Unknown class names, a threshold that makes no unit, sync_batchnorm without batch norm: before any
         process starts (a module that builds its layers in setup or configure_model is checked once it has)."""
         super().check_module(module, stage)
-        if type(module).setup is TrainModule.setup and type(module).configure_model is TrainModule.configure_model:
+        builds_later = type(module).configure_model is not TrainModule.configure_model
+        check_plan_hook("FSDPStrategy", self.tensor_parallel, module, builds_later)
+        if type(module).setup is TrainModule.setup and not builds_later:
             self._check_layers(module)
 
     def _check_layers(self, module: nn.Module) -> None:
@@ -180,6 +217,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             self.model = self._sharded[1]  # a later stage in the same job (torchrun): the module is sharded already
             return
         self._check_layers(module)
+        check_plan_applied("FSDPStrategy", self.tensor_parallel, module)
         if self.sync_batchnorm:
             module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         super().setup_module(module)
@@ -187,6 +225,8 @@ class FSDPStrategy(ProcessGroupStrategy):
             for tensor in [*module.parameters(), *module.buffers()]:
                 if not isinstance(tensor, DTensor):  # configure_model's units are already sharded
                     torch.distributed.broadcast(tensor.data, src=0)
+        if self._dp_mesh is not None and self._dp_mesh.size() > 1:  # each TP shard from data-parallel replica 0
+            broadcast_tensor_parallel_shards(module, self._dp_mesh)
         for layer in module.modules():
             if type(layer).__name__ in (self.activation_checkpointing or ()):
                 recompute_in_backward(layer)
@@ -212,7 +252,8 @@ class FSDPStrategy(ProcessGroupStrategy):
     def _shard_options(self) -> dict[str, Any]:
         policy = MIXED_PRECISION.get(self.precision.precision, MixedPrecisionPolicy())
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
-        return {"mesh": self.device_mesh, "mp_policy": policy, "offload_policy": offload}
+        assert self.device_mesh is not None
+        return {"mesh": shard_mesh(self.device_mesh), "mp_policy": policy, "offload_policy": offload}
 
     # ------------------------------------------------------------------ the steps
     @override
@@ -231,8 +272,27 @@ class FSDPStrategy(ProcessGroupStrategy):
     def no_backward_sync(self) -> contextlib.AbstractContextManager:
         return _gradient_sync_off(self.model) if isinstance(self.model, FSDPModule) else contextlib.nullcontext()
 
-    # clip_gradients: the base's torch.nn.utils.clip_grad_norm_ takes the norm over DTensor gradients, which is
-    # the global norm over every rank's shards (the same on every rank).
+    @override
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
+        """By norm: the global norm over every rank's DTensor shards (the same on every rank), mesh by mesh where
+        tensor parallel lays some gradients over dp x tp and the rest over dp (mesh.clip_grad_norm_across_meshes)."""
+        if algorithm != "norm":
+            return super().clip_gradients(optimizer, value, algorithm)
+        self.precision.unscale(optimizer)
+        clip_grad_norm_across_meshes([p for group in optimizer.param_groups for p in group["params"]], value)
+        return None
+
+    # ------------------------------------------------------------------ collectives over the mesh
+    @override
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Over every rank; the ranks of a TP group log the same values, so a sum counts each replica once."""
+        result = super().reduce(tensor, op)
+        return result / self.tensor_parallel if op == "sum" and self.tensor_parallel > 1 else result
+
+    @override
+    def gather_data_parallel(self, obj: Any) -> list[Any]:
+        """From the first rank of each TP group, in data-parallel order (tp is the innermost dimension)."""
+        return self.all_gather_object(obj)[::self.tensor_parallel]
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -20,6 +21,20 @@ from torchyard.trainer.logs.metrics import batch_value
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import needs_closure
 from torchyard.trainer.strategies import distributed
+from torchyard.trainer.strategies.mesh import (
+    PIPELINE_ORDER,
+    MeshLayout,
+    build_mesh,
+    check_plan_applied,
+    check_plan_hook,
+    global_grad_norm,
+    into_layout,
+    layout_for,
+    load_whole_state,
+    local_part,
+    positive_size,
+    whole,
+)
 from torchyard.trainer.strategies.pipeline.split import (
     build_stage_modules,
     check_schedule,
@@ -58,6 +73,9 @@ class PipelineStrategy(ProcessGroupStrategy):
     split_points: submodule names where a new stage begins, e.g. ["blocks.2", "blocks.4"].
     stages_per_rank: model chunks per process, for interleaved and zero-bubble schedules (V ones need 2).
     backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
+    tensor_parallel: ranks that split each parallelized layer of a stage (configure_model applies the plan on
+    `self.device_mesh["tp"]`). data_parallel: how the replicas share the work: 'ddp' (each holds its stages whole,
+    gradients all-reduced) or 'fsdp' (each stage sharded over the replicas with fully_shard).
     """
 
     name = "pipeline"
@@ -66,8 +84,16 @@ class PipelineStrategy(ProcessGroupStrategy):
     plannable = False
 
     def __init__(self, stages: int | None = None, microbatches: int = 4, schedule: str = "1f1b",
-                 split_points: list[str] | None = None, stages_per_rank: int = 1, backend: str | None = None) -> None:
+                 split_points: list[str] | None = None, stages_per_rank: int = 1, backend: str | None = None,
+                 tensor_parallel: int = 1, data_parallel: str = "ddp") -> None:
         super().__init__(backend)
+        self.tensor_parallel = positive_size("PipelineStrategy", "tensor_parallel", tensor_parallel)
+        if data_parallel not in ("ddp", "fsdp"):
+            raise MisconfigurationError(f"PipelineStrategy(data_parallel={data_parallel!r}) is not known; use 'ddp' "
+                                        "(replicas all-reduce gradients) or 'fsdp' (replicas shard each stage).")
+        self.data_parallel = data_parallel
+        self.layout = MeshLayout(tp=tensor_parallel)  # completed by configure
+        self._dp_rank = 0
         for label, value in (("microbatches", microbatches), ("stages_per_rank", stages_per_rank), ("stages", stages)):
             if (value is not None or label != "stages") and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
@@ -107,7 +133,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         elif chunks_from_points is not None:
             self.stages = max(1, chunks_from_points // self.stages_per_rank)
         else:
-            self.stages = world
+            self.stages = max(1, world // self.tensor_parallel)
         if world % self.stages:
             raise MisconfigurationError(
                 f"devices x num_nodes = {world} is not divisible by pipeline stages={self.stages}; "
@@ -119,6 +145,8 @@ class PipelineStrategy(ProcessGroupStrategy):
                 f"stages_per_rank={self.stages_per_rank} = {self.num_chunks}; give {self.num_chunks - 1} split points."
             )
         check_schedule(self.schedule_name, self.schedule_class, self.microbatches, self.stages, self.stages_per_rank)
+        self.layout = layout_for(world, "PipelineStrategy", tensor_parallel=self.tensor_parallel, pipeline=self.stages,
+                                 shard=self.data_parallel == "fsdp")
 
     @property
     def num_chunks(self) -> int:
@@ -127,17 +155,17 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @property
     def replicas(self) -> int:
-        return max(1, self.devices * self.num_nodes // self.stages)
+        return max(1, self.devices * self.num_nodes // (self.stages * self.tensor_parallel))
 
     @override
     def setup_environment(self, environment: ClusterEnvironment) -> None:
-        """Join the job, then lay its ranks out as a (replicas, stages) mesh: rank r is stage r % stages."""
+        """Join the job, then lay its ranks out as a (replicas, stages, tensor parallel) mesh: without tensor
+        parallel, rank r is stage r % stages."""
         super().setup_environment(environment)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(self.root_device.type, (self.replicas, self.stages), mesh_dim_names=("dp", "pp"))
-        self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        self.pp_rank = mesh.get_local_rank("pp")
+        self.device_mesh = mesh = build_mesh(self.root_device.type, self.layout, order=PIPELINE_ORDER)
+        dp_dim = "dp_shard" if self.data_parallel == "fsdp" else "dp_replicate"
+        self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group(dp_dim)
+        self.pp_rank, self._dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank(dp_dim)
 
     @override
     def teardown(self) -> None:
@@ -147,7 +175,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         self._local = []
         self._pp_group = self._dp_group = None
         gc.collect()
-        if not self._owns_group or self.keeps_process_group:  # else the default group, left now, takes them along
+        # Kept where the module's DTensors (tensor parallel, fsdp) live on them: the script goes on using it.
+        # Else, where the default group is not left now (which takes them along), they go now.
+        if (not self._owns_group or self.keeps_process_group) and self.layout.tp * self.layout.dp_shard == 1:
             for group in groups:
                 dist.destroy_process_group(group)
         super().teardown()
@@ -160,7 +190,7 @@ class PipelineStrategy(ProcessGroupStrategy):
     @property
     @override
     def data_parallel_rank(self) -> int:
-        return self.global_rank // self.stages
+        return self._dp_rank
 
     @override
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
@@ -200,18 +230,24 @@ class PipelineStrategy(ProcessGroupStrategy):
             )
         # The cut itself (split points, pipeline_stages, tied weights), so that it fails before processes start;
         # a module that builds layers in its setup(stage) or configure_model is cut once it has them, in the workers.
-        if type(module).setup is TrainModule.setup and type(module).configure_model is TrainModule.configure_model:
+        builds_later = type(module).configure_model is not TrainModule.configure_model
+        check_plan_hook("PipelineStrategy", self.tensor_parallel, module, builds_later)
+        if type(module).setup is TrainModule.setup and not builds_later:
             stage_ownership(module, build_stage_modules(module, self.num_chunks, self.split_points))
 
     @override
     def setup_module(self, module: TrainModule) -> None:
-        """Cut the module into stages, keep this rank's on its device (the rest stays where it was)."""
+        """Cut the module into stages, keep this rank's on its device (the rest stays where it was); with
+        data_parallel='fsdp', shard each over the replicas."""
+        check_plan_applied("PipelineStrategy", self.tensor_parallel, module)
         chunks = build_stage_modules(module, self.num_chunks, self.split_points, self.precision.autocast)
         owned = stage_ownership(module, chunks)
         placements = [
             stage_placement(r, self.stages, self.stages_per_rank, self.schedule_name) for r in range(self.stages)
         ]
         self._local = [(index, chunks[index].to(self.root_device)) for index in placements[self.pp_rank]]
+        for _, chunk in self._local if self.data_parallel == "fsdp" else ():
+            fully_shard(chunk, mesh=self.device_mesh["dp_shard"])
         self._first_here = 0 in placements[self.pp_rank]
         self._last_here = self.num_chunks - 1 in placements[self.pp_rank]
         last_pp_rank = next(r for r, held in enumerate(placements) if self.num_chunks - 1 in held)
@@ -286,7 +322,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             loss = torch.zeros((), device=self.root_device)
         if self.stages > 1:
             dist.broadcast(loss, src=self._last_global_rank, group=self._pp_group)
-        if self._sync_gradients and self.replicas > 1:
+        if self._sync_gradients and self.replicas > 1 and self.data_parallel == "ddp":  # fsdp reduced them itself
             self._average_gradients()
         if before_backward is not None:
             before_backward(loss)
@@ -295,7 +331,7 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     def _average_gradients(self) -> None:
         """Average this stage's gradients over the replicas in one flat all-reduce."""
-        grads = [p.grad for p in self._stage_parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in self._stage_parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -362,12 +398,13 @@ class PipelineStrategy(ProcessGroupStrategy):
             return
         self.precision.unscale(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        squared = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros((), device=self.root_device))
+        # This stage's norm (over its TP and FSDP shards too: mesh.global_grad_norm), then the stages' together.
+        squared = global_grad_norm(grads).float().to(self.root_device).pow(2)
         dist.all_reduce(squared, group=self._pp_group)
         # The same rule as torch.nn.utils.clip_grad_norm_, applied with the global norm.
         scale = torch.clamp(value / (squared.sqrt() + 1e-6), max=1.0)
         for grad in grads:
-            grad.mul_(scale.to(grad.device, grad.dtype))
+            local_part(grad).mul_(scale.to(grad.device, grad.dtype))
 
     # ------------------------------------------------------------------ data
     @override
@@ -399,7 +436,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         min are those over replicas, and a sum is divided by the stages to count each replica once."""
         result = distributed.all_reduce(tensor.to(self.collective_device), "sum" if op == "sum" else op)
         if op == "sum":
-            result = result / self.stages
+            result = result / (self.stages * self.tensor_parallel)
         return result.to(tensor.device)
 
     @override
@@ -410,15 +447,17 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def gather_module(self) -> None:
         assert self.module is not None
-        self.module.load_state_dict(self.model_state_dict())  # the other stages' weights, from their ranks
+        load_whole_state(self.module, self.model_state_dict())  # the other stages' weights, from their ranks
 
     # ------------------------------------------------------------------ checkpoints
     @override
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model under single-device keys, on CPU: every stage's share gathered (a collective)."""
         assert self.module is not None
+        self._reshard()
         full = self.module.state_dict()
-        mine = {key: value.detach().cpu() for key, value in full.items() if key in self._owned_keys}
+        # Tensor-parallel and sharded weights gathered whole within the stage (its ranks own the same keys, in order).
+        mine = {key: whole(value.detach()).cpu() for key, value in full.items() if key in self._owned_keys}
         for share in distributed.all_gather_object(mine, group=self._pp_group):
             full.update(share)
         return {key: value.detach().cpu() for key, value in full.items()}
@@ -426,8 +465,9 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """As on one device: the param groups plus every stage's per-parameter state (a collective)."""
+        self._reshard()
         state = optimizer.state_dict()
-        mine = {index: move_to_device(value, torch.device("cpu")) for index, value in state["state"].items()}
+        mine = {index: move_to_device(whole(value), torch.device("cpu")) for index, value in state["state"].items()}
         merged: dict[int, Any] = {}
         for share in distributed.all_gather_object(mine, group=self._pp_group):
             merged.update(share)
@@ -442,3 +482,20 @@ class PipelineStrategy(ProcessGroupStrategy):
             "state": {index: value for index, value in state["state"].items() if int(index) in local},
             "param_groups": state["param_groups"],
         })
+        for parameter in params:  # whole tensors -> this rank's slices of sharded parameters
+            saved = optimizer.state.get(parameter, {})
+            for name, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.ndim:
+                    saved[name] = into_layout(value, parameter)
+
+    @override
+    def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Whole weights into the module, each rank keeping its slices of tensor-parallel and sharded ones."""
+        assert self.module is not None
+        load_whole_state(self.module, state_dict, strict)
+
+    def _reshard(self) -> None:
+        """Every FSDP stage back to its shards (a forward-only evaluation leaves a root's weights gathered)."""
+        for _, chunk in self._local:
+            if hasattr(chunk, "reshard"):
+                chunk.reshard()
