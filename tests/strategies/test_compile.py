@@ -197,6 +197,19 @@ def test_a_graph_break_is_reported_with_its_line_and_fullgraph_fails_on_it_in_on
                             "compiled pieces.") and "\n" not in message
 
 
+@pytest.mark.timeout(200)
+def test_a_submodule_the_user_compiled_trains_compiled_and_saves_plain_keys(tmp_path):
+    module = fresh()
+    module.body = torch.compile(module.body, backend="eager")  # state_dict keys: body._orig_mod.0.weight, ...
+    trainer = Trainer(max_steps=STEPS, num_sanity_val_steps=0, default_root_dir=str(tmp_path), **QUIET)
+    trainer.fit(module, loader(STEPS * BATCH))
+    assert trainer.strategy.compile_record.compiled == ["body (Sequential)"]
+    assert isinstance(module.body, nn.Sequential)  # unwrapped, its forward compiled on the instance
+    assert_close_weights(module.state_dict(), eager_reference(ranks=1))
+    saved = load_checkpoint_file(trainer.checkpoint_callback.last_model_path)["state_dict"]
+    assert list(saved) == ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
+
+
 # --------------------------------------------------------------------------- two processes, aot_eager
 
 
