@@ -14,12 +14,13 @@ on torch.compile(model). A step's time is the median interval between the starts
 so that the moments another process holds the CPU do not count). Printed: ms per step of each, compiled / eager for
 the Trainer and for the hand loop, and the Trainer's compiled step / the hand loop's compiled step.
 
-    python benchmarks/compile.py [--steps 40] [--warmup 5] [--restart] [--skip-warm] [--skip-steady]
+    python benchmarks/compile.py [--steps 40] [--warmup 5] [--restart] [--skip-warm] [--skip-steady] [--cache-dir D]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -95,7 +96,7 @@ def median_step(starts: list[float], warmup: int) -> float:
     return statistics.median(b - a for a, b in zip(starts[warmup:], starts[warmup + 1:]))
 
 
-def trainer_step(root: Path, compile_option: bool, steps: int, warmup: int) -> float:
+def trainer_step(root: Path, compile_option: bool | dict, steps: int, warmup: int) -> float:
     recipe = load_recipe([RECIPE])
     torch.manual_seed(0)
     module, data = recipe.model.instantiate(), recipe.data.instantiate()
@@ -130,9 +131,11 @@ def hand_step(compiled: bool, steps: int, warmup: int) -> float:
     return median_step(starts, warmup)
 
 
-def steady(root: Path, steps: int, warmup: int) -> None:
+def steady(root: Path, steps: int, warmup: int, cache: Path) -> None:
+    """Both compiled sides take inductor's cache from `cache` (the warm-start runs', where they ran first)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # the hand loop's torch.compile; the Trainer's is its option
     times = {"Trainer eager": trainer_step(root, False, steps, warmup),
-             "Trainer compiled": trainer_step(root, True, steps, warmup),
+             "Trainer compiled": trainer_step(root, {"cache_dir": str(cache)}, steps, warmup),
              "hand loop eager": hand_step(False, steps, warmup),
              "hand loop compiled": hand_step(True, steps, warmup)}
     for name, seconds in times.items():
@@ -149,6 +152,7 @@ def main() -> None:
     parser.add_argument("--restart", action="store_true", help="also a kill -9 + max_restarts=1 ddp restart")
     parser.add_argument("--skip-warm", action="store_true")
     parser.add_argument("--skip-steady", action="store_true")
+    parser.add_argument("--cache-dir", help="inductor's cache for the steady runs (default: the warm-start runs')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
@@ -158,7 +162,8 @@ def main() -> None:
         if args.restart:
             restart(root / "restart")
         if not args.skip_steady:
-            steady(root / "steady", args.steps, args.warmup)
+            cache = Path(args.cache_dir) if args.cache_dir else root / "runs" / "charlm" / "compile_cache"
+            steady(root / "steady", args.steps, args.warmup, cache.absolute())
 
 
 if __name__ == "__main__":

@@ -225,9 +225,10 @@ def test_a_module_the_user_compiled_trains_under_ddp_and_its_checkpoint_loads_un
 
 
 @pytest.mark.timeout(300)
-def test_fsdp_compiled_on_two_processes_lands_on_the_eager_weights(tmp_path):
-    module = fresh()
-    trainer = Trainer(strategy="fsdp", devices=2, max_steps=STEPS, compile={"backend": "aot_eager"},
+def test_fsdp_compiled_per_shard_unit_on_two_processes_lands_on_the_eager_weights(tmp_path):
+    module = fresh()  # each Linear its own shard unit and its own compiled region (fsdp's hooks eager between them)
+    trainer = Trainer(strategy={"name": "fsdp", "shard_units": ["Linear"]}, devices=2, max_steps=STEPS,
+                      compile={"backend": "aot_eager", "regions": ["Linear"]},
                       enable_checkpointing=False, default_root_dir=str(tmp_path), **QUIET)
     trainer.fit(module, loader())
     assert_close_weights(module.state_dict(), eager_reference(ranks=2))

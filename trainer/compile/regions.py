@@ -69,9 +69,10 @@ def compile_targets(parts: Sequence[nn.Module], options: CompileOptions | None,
         named = dict(module.named_modules())
         contexts = module.__dict__.get(USER_CONTEXTS, {})
         return [(name, named[name], context) for name, context in contexts.items() if name in named]
-    targets = [(name, target, options) for part in parts for name, target in _targets(part, options.regions)]
+    targets = [(_qualified(index, part is module, name), target, options)
+               for index, part in enumerate(parts) for name, target in _targets(part, options.regions)]
     if options.regions and not targets:
-        present = sorted({type(m).__name__ for part in parts for m in part.modules()})
+        present = sorted({own_class(m).__name__ for part in parts for m in part.modules()})
         raise MisconfigurationError(f"compile.regions={list(options.regions)}: the module has no submodule of those "
                                     f"classes; its classes: {', '.join(present)}.")
     return targets
@@ -94,14 +95,25 @@ def _targets(part: nn.Module, regions: tuple[str, ...]) -> list[tuple[str, nn.Mo
     """What to compile in `part`: the submodules of the region classes, else its forward, else (a TrainModule that
     defines none: its steps call its children) each child holding parameters."""
     if regions:
-        return [(name, m) for name, m in part.named_modules() if type(m).__name__ in regions]
+        return [(name, m) for name, m in part.named_modules() if own_class(m).__name__ in regions]
     if type(part).forward is not nn.Module.forward:
         return [("", part)]
     return [(name, child) for name, child in part.named_children() if any(True for _ in child.parameters())]
 
 
+def _qualified(index: int, is_module: bool, name: str) -> str:
+    """A target's name for the report: its path in the module, or in this rank's index-th pipeline stage."""
+    return name if is_module else f"stage part {index}" + (f" {name}" if name else "")
+
+
 def _label(name: str, module: nn.Module) -> str:
-    return f"{name or 'the module'} ({type(module).__name__})"
+    return f"{name or 'the module'} ({own_class(module).__name__})"
+
+
+def own_class(module: nn.Module) -> type:
+    """The module's own class: fsdp's fully_shard swaps a unit's class for a subclass of it (FSDPBlock for Block)."""
+    return next((cls for cls in type(module).__mro__ if not cls.__module__.startswith("torch.distributed.")),
+                type(module))
 
 
 def _call_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

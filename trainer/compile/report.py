@@ -74,7 +74,8 @@ class CompileRecord:
         self.first_step_seconds: float | None = None
         self._counters_before = {group: dict(values) for group, values in counters.items()}
         self._metrics_before = {id(metrics) for metrics in get_compilation_metrics()}
-        self._log = _BreakLog()
+        self._log: _BreakLog | None = _BreakLog()
+        self._breaks: dict[str, str] = {}  # the log's, once closed (the record then pickles with the trainer)
         logger = logging.getLogger(_BREAK_LOGGER)
         self._level, self._propagate = logger.level, logger.propagate
         logger.setLevel(logging.DEBUG)  # dynamo writes a break's file and line only where this level is on
@@ -87,8 +88,11 @@ class CompileRecord:
 
     def close(self) -> None:
         """Stop listening to dynamo's log and give the process its cache setting back."""
+        if self._log is None:
+            return
         logger = logging.getLogger(_BREAK_LOGGER)
         logger.removeHandler(self._log)
+        self._breaks, self._log = dict(self._log.breaks), None
         logger.setLevel(self._level)
         logger.propagate = self._propagate
         if self._cache_env is None:
@@ -108,12 +112,12 @@ class CompileRecord:
     @property
     def graph_breaks(self) -> dict[str, str]:
         """{"file:line": why} of each graph break seen (where dynamo logged one)."""
-        return dict(self._log.breaks)
+        return dict(self._log.breaks) if self._log is not None else dict(self._breaks)
 
     @property
     def graph_break_count(self) -> int:
         """Graph breaks counted by dynamo (each break once per compile of its frame)."""
-        return max(self._count("graph_break"), len(self._log.breaks))
+        return max(self._count("graph_break"), len(self.graph_breaks))
 
     def recompiles(self) -> list[str]:
         """One line per recompilation of an already compiled frame: which function, where, and the guard that
