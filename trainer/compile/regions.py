@@ -3,8 +3,9 @@
 Each compiled part keeps its class and its parameters: the strategy replaces the part's `forward`, on the instance,
 by a compiled one. So state_dict keys stay plain (no `_orig_mod.`), the wrappers' hooks (DDP's, FSDP's gathers) run
 eagerly around the compiled code, and a module's steps (training_step calling self(x)) run it compiled. torch's own
-`Module.compile()` would trace `_call_impl`, which torch skips for its own classes (nn.Sequential, nn.Linear): the
-closure below is user code to dynamo, which then inlines any forward.
+`Module.compile()` compiles `_call_impl`, whose frame dynamo skips for torch's own classes (nn.Sequential, nn.Linear:
+nothing was compiled, measured on torch 2.13); the function compiled here, _call_forward, is user code to dynamo,
+which inlines any forward from it.
 
 A module the user compiled (`torch.compile(module)`, an OptimizedModule, at the top or as a submodule) is unwrapped
 before the stage: its plain module trains, and its compile context goes with it (a picklable attribute, so that the
@@ -56,7 +57,7 @@ def unwrap_compiled(module: Any) -> Any:
 
 
 def _inner(compiled: nn.Module) -> nn.Module:
-    # OptimizedModule names the module it wraps `_orig_mod`, its one documented way in.
+    # OptimizedModule keeps the module it wraps as `_orig_mod` (torch's state-dict hooks strip that same name).
     return compiled._orig_mod
 
 
@@ -66,8 +67,8 @@ def compile_targets(parts: Sequence[nn.Module], options: CompileOptions | None,
     pipeline rank's stages) it names, else each part's forward; with None, what the user compiled of `module`
     (unwrap_compiled), `how` being its compile context."""
     if options is None:
-        named = dict(module.named_modules())
         contexts = module.__dict__.get(USER_CONTEXTS, {})
+        named = dict(module.named_modules()) if contexts else {}
         return [(name, named[name], context) for name, context in contexts.items() if name in named]
     targets = [(_qualified(index, part is module, name), target, options)
                for index, part in enumerate(parts) for name, target in _targets(part, options.regions)]
