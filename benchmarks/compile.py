@@ -10,8 +10,9 @@ restarted ranks report their own time to first step (their graphs from the cache
 
 Steady step time: in this process, the recipe's CharLM and CharData, `--steps` optimizer steps after `--warmup` ones,
 four ways: the Trainer eager and compiled, and a hand-written torch loop (AdamW, the recipe's clipping) eager and
-on torch.compile(model). A step's time is the median interval between the starts of consecutive steps (the median,
-so that the moments another process holds the CPU do not count). Printed: ms per step of each, compiled / eager for
+on torch.compile(model). A step's time is the median interval between the starts of consecutive steps, in wall time and
+in the main thread's CPU time (one intra-op thread: all the work runs on it; on a shared machine read the CPU time,
+which does not count the moments other processes hold the cores). Printed: ms per step of each, compiled / eager for
 the Trainer and for the hand loop, and the Trainer's compiled step / the hand loop's compiled step.
 
     python benchmarks/compile.py [--steps 40] [--warmup 5] [--restart] [--skip-warm] [--skip-steady] [--cache-dir D]
@@ -83,20 +84,23 @@ def restart(root: Path) -> None:
 
 
 class StepStarts(Callback):
-    """The time each training step starts."""
+    """The time each training step starts: (wall clock, this thread's CPU time)."""
 
     def __init__(self) -> None:
-        self.starts: list[float] = []
+        self.starts: list[tuple[float, float]] = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
+        self.starts.append((time.perf_counter(), time.thread_time()))
 
 
-def median_step(starts: list[float], warmup: int) -> float:
-    return statistics.median(b - a for a, b in zip(starts[warmup:], starts[warmup + 1:]))
+def median_step(starts: list[tuple[float, float]], warmup: int) -> tuple[float, float]:
+    """The median step, in wall time and in this thread's CPU time (with one intra-op thread all the work runs on
+    it; on a shared machine the wall clock also counts the time other processes held the CPU)."""
+    pairs = list(zip(starts[warmup:], starts[warmup + 1:]))
+    return (statistics.median(b[0] - a[0] for a, b in pairs), statistics.median(b[1] - a[1] for a, b in pairs))
 
 
-def trainer_step(root: Path, compile_option: bool | dict, steps: int, warmup: int) -> float:
+def trainer_step(root: Path, compile_option: bool | dict, steps: int, warmup: int) -> tuple[float, float]:
     recipe = load_recipe([RECIPE])
     torch.manual_seed(0)
     module, data = recipe.model.instantiate(), recipe.data.instantiate()
@@ -108,7 +112,7 @@ def trainer_step(root: Path, compile_option: bool | dict, steps: int, warmup: in
     return median_step(timer.starts, warmup)
 
 
-def hand_step(compiled: bool, steps: int, warmup: int) -> float:
+def hand_step(compiled: bool, steps: int, warmup: int) -> tuple[float, float]:
     recipe = load_recipe([RECIPE])
     torch.manual_seed(0)
     module, data = recipe.model.instantiate(), recipe.data.instantiate()
@@ -117,11 +121,11 @@ def hand_step(compiled: bool, steps: int, warmup: int) -> float:
     optimizer = module.configure_optimizers()
     optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    starts = []
+    starts: list[tuple[float, float]] = []
     for step, (tokens, targets) in enumerate(data.train_dataloader()):
         if step > warmup + steps:
             break
-        starts.append(time.perf_counter())
+        starts.append((time.perf_counter(), time.thread_time()))
         logits = model(tokens)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         optimizer.zero_grad(set_to_none=True)
@@ -138,11 +142,13 @@ def steady(root: Path, steps: int, warmup: int, cache: Path) -> None:
              "Trainer compiled": trainer_step(root, {"cache_dir": str(cache)}, steps, warmup),
              "hand loop eager": hand_step(False, steps, warmup),
              "hand loop compiled": hand_step(True, steps, warmup)}
-    for name, seconds in times.items():
-        print(f"{name:20s} {seconds * 1e3:8.2f} ms/step", flush=True)
-    print(f"compiled / eager: Trainer {times['Trainer compiled'] / times['Trainer eager']:.2f}, hand loop "
-          f"{times['hand loop compiled'] / times['hand loop eager']:.2f}; Trainer compiled / hand loop compiled "
-          f"{times['Trainer compiled'] / times['hand loop compiled']:.3f}", flush=True)
+    for name, (wall, cpu) in times.items():
+        print(f"{name:20s} {wall * 1e3:8.2f} ms/step wall, {cpu * 1e3:8.2f} ms/step CPU", flush=True)
+    for clock, which in (("wall", 0), ("CPU", 1)):
+        ratio = {name: value[which] for name, value in times.items()}
+        print(f"{clock}: compiled / eager: Trainer {ratio['Trainer compiled'] / ratio['Trainer eager']:.2f}, hand "
+              f"loop {ratio['hand loop compiled'] / ratio['hand loop eager']:.2f}; Trainer compiled / hand loop "
+              f"compiled {ratio['Trainer compiled'] / ratio['hand loop compiled']:.3f}", flush=True)
 
 
 def main() -> None:
