@@ -194,6 +194,8 @@ class ModelSummary(Callback):
                 summary[f"{monitor} best checkpoint"] = callback.best_model_path or None
             if callback.last_model_path:
                 summary["last checkpoint"] = callback.last_model_path
+        if trainer.strategy.compile_record is not None:  # time to first step (cold or warm), graph breaks, recompiles
+            summary.update(trainer.strategy.compile_record.summary_rows())
         self.run_summary = summary
         _print_table(self.run_table())
 

@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     #    packages
     f"{T}.errors": 0, **{f"{T}.{folder}": 0 for folder in (
         "checkpointing", "cli", "cluster", "data", "evaluation", "launch", "logs", "loop", "scaling", "strategies.ps",
-        "strategies.pipeline")},
+        "strategies.pipeline", "compile")},
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
     #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, where
     #    the running script called us (under its main guard or not), and glibc's malloc settings
@@ -31,11 +31,15 @@ LAYERS: dict[str, int] = {
     f"{T}.loop.host_memory": 1,
     #    and the sample ledger over the samplers' deals
     f"{T}.data.ledger": 2,
+    #    torch.compile's option (no torch import: the schema reads it) and the record of what compiling cost
+    f"{T}.compile.options": 1, f"{T}.compile.report": 1,
     # 2: the metric writers (CSV, TensorBoard, MLflow), and Lightning's import path for them; the forkserver that the
     #    workers of a spawned job fork from (it asks where the script called us); the checks every node of a
     #    multi-node job runs before the nodes meet; the evaluator's record of a run
     f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
     f"{T}.logs.evaluations": 3,
+    #    torch.compile applied to a module's regions (the strategies call it after wrapping the module)
+    f"{T}.compile.regions": 2,
     # 3: the option schema: every Trainer option and its checks
     f"{T}.config": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table
@@ -61,7 +65,7 @@ LAYERS: dict[str, int] = {
     f"{T}.loop.loops": 14,
     # 15-16: the built-in callbacks, then their package (trainer.py builds the default ones)
     f"{C}.checkpoint": 15, f"{C}.early_stopping": 15, f"{C}.lr_monitor": 15, f"{C}.prediction_writer": 15,
-    f"{C}.progress": 15, f"{C}.gradient_accumulation": 15, f"{C}.profilers": 15, f"{C}.summary": 15, f"{C}.timer": 15,
+    f"{C}.progress": 15, f"{C}.gradient_accumulation": 15, f"{C}.compile_report": 15, f"{C}.profilers": 15, f"{C}.summary": 15, f"{C}.timer": 15,
     #     and the evaluator side process's callback (it validates with the Trainer class it is handed, not imports)
     f"{T}.evaluation.evaluator": 15, f"{C}.step_timing": 15,
     C: 16,
@@ -119,12 +123,14 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
 # Folders importing only downwards in it: cluster and data know no loop, strategy or launcher; strategies know no
 # loop or launcher (a strategy never touches the loop); nothing but the command line and scaling imports cli.
 FOLDER_IMPORTS: dict[str, set[str]] = {
-    "root": {"callbacks", "checkpointing", "cli", "data", "evaluation", "launch", "logs", "loop", "strategies"},
+    "root": {"callbacks", "checkpointing", "cli", "compile", "data", "evaluation", "launch", "logs", "loop",
+             "strategies"},
+    "compile": {"root"},
     "cluster": {"root"},
     "data": {"root", "cluster"},
     "logs": {"root", "data"},
     "checkpointing": {"root", "data", "logs", "loop"},  # data: the sample ledger a checkpoint keeps
-    "strategies": {"root", "checkpointing", "cluster", "data", "logs"},
+    "strategies": {"root", "checkpointing", "cluster", "compile", "data", "logs"},
     "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
     "loop": {"root", "callbacks", "data", "evaluation", "strategies"},
     "callbacks": {"root", "checkpointing", "data", "logs"},

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from torchyard.trainer.compile.options import compile_options
 from torchyard.trainer.errors import MisconfigurationError, closest
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
@@ -166,6 +167,10 @@ class TrainerConfig:
                            "model summary (setting one of them on too is an error).")
     enable_autolog_hparams: bool = _opt(True, "Give the loggers the module's and datamodule's hparams at the "
                                         "start of each stage.")
+    compile: Any = _opt(False, "torch.compile the model once the strategy has wrapped or sharded it: true, or "
+                        "{backend, mode, fullgraph, dynamic, regions: [block class names], cache_dir} "
+                        "(docs/strategies.md).",
+                        shown_type="bool")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -380,6 +385,7 @@ def validate(config: TrainerConfig) -> None:
     _validate_choices(config)
     _validate_limits(config)
     config.evaluator = evaluator_config(config.evaluator)
+    config.compile = compile_options(config.compile)
     _validate_launcher(config)
 
 

@@ -12,8 +12,10 @@ from torch.optim import Optimizer
 
 from torchyard.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar, Timer
 from torchyard.callbacks.base import Callback
+from torchyard.callbacks.compile_report import CompileReport
 from torchyard.callbacks.profilers import Profiler, build_profiler
 from torchyard.trainer.checkpointing.resume import shown_path
+from torchyard.trainer.compile.regions import unwrap_compiled
 from torchyard.trainer.config import TrainerConfig
 from torchyard.trainer.data.loaders import STAGE_LOADERS, own_loader
 from torchyard.trainer.datamodule import DataModule
@@ -98,6 +100,8 @@ def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> 
             raise MisconfigurationError("max_time and a Timer callback both time the run; give the budget to one of "
                                         "them (Timer(duration=...) or max_time).")
         callbacks.append(Timer(duration=config.max_time))
+    if config.compile is not None:
+        callbacks.append(CompileReport())
     profiler = build_profiler(config.profiler)
     if profiler is not None and not any(isinstance(c, Profiler) for c in callbacks):
         callbacks.append(profiler)
@@ -197,7 +201,8 @@ def _check_no_uncalled_lightning_hooks(module: TrainModule) -> None:
 def one_module(model: TrainModule | None, module: TrainModule | None) -> TrainModule | None:
     if model is not None and module is not None and model is not module:
         raise MisconfigurationError("pass the module once: as model (Lightning's name) or as module.")
-    return model if model is not None else module
+    # torch.compile(module) trains as its plain module, compiled the same way by the strategy (keys stay plain).
+    return unwrap_compiled(model if model is not None else module)
 
 
 def datamodule_given_as_loaders(loaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:

@@ -25,6 +25,7 @@ from torchyard.trainer.checkpointing.state import (
     restore_checkpoint,
     save_adopted_checkpoint,
 )
+from torchyard.trainer.compile.options import cache_folder
 from torchyard.trainer.config import TrainerConfig, make_config
 from torchyard.trainer.data.batches import batch_limit
 from torchyard.trainer.data.loaders import build_loaders, stage_loaders
@@ -249,7 +250,7 @@ class Trainer(TrainerProperties):
     def _prepare_stage(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
                        loaders: tuple[Any, ...]) -> list[DataLoader]:
         """Versions, loaders, the module on its devices, optimizers, callbacks set up, the checkpoint restored."""
-        strategy = self.strategy
+        strategy, config = self.strategy, self.config
         checkpoint = load_resume_checkpoint(strategy, ckpt, stage)
         self._run_folder.adopt_evaluated_run(checkpoint if stage != "fit" else None, self.loggers, stage)
         self._run_folder.settle(strategy, checkpoint if stage == "fit" and checkpoint is not None else {}, self.loggers)
@@ -258,6 +259,7 @@ class Trainer(TrainerProperties):
         if self.config.sync_batchnorm and strategy.data_parallel_size > 1:  # before the strategy wraps the module
             torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         strategy.setup_module(module)
+        strategy.compile_module(config.compile, cache_folder(config.compile, config.default_root_dir, config.name))
         if stage == "fit":
             self._prepare_fit(module, datamodule, prepared, loaders)
         for callback in self.callbacks:

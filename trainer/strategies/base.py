@@ -25,6 +25,7 @@ from torchyard.trainer.checkpointing.files import (
     sync_folder,
 )
 from torchyard.trainer.cluster.environment import ClusterEnvironment, detect_environment
+from torchyard.trainer.compile.regions import start_compile, stop_compile
 from torchyard.trainer.data.batches import move_to_device
 from torchyard.trainer.data.loaders import prepare_loader
 from torchyard.trainer.errors import MisconfigurationError
@@ -34,6 +35,8 @@ from torchyard.trainer.precision import Precision
 HOST = torch.device("cpu")
 
 if TYPE_CHECKING:
+    from torchyard.trainer.compile.options import CompileOptions
+    from torchyard.trainer.compile.report import CompileRecord
     from torchyard.trainer.config import TrainerConfig
 
 
@@ -108,7 +111,8 @@ class Strategy(ABC):
 
     The Trainer calls them in this order (members set by the Trainer: `timeout`, `keeps_process_group`):
         setup           configure (in Trainer(...)), check_config, check_module, detect_environment,
-                        setup_environment (join the job, pick the device), serve, setup_module, setup_optimizers
+                        setup_environment (join the job, pick the device), serve, setup_module, compile_module,
+                        setup_optimizers
         loaders         prepare_loader; then batch_to_device for every batch
         steps           training_step or forward_backward (under no_backward_sync while gradients accumulate),
                         backward, clip_gradients, optimizer_step; eval_step; collectives wherever the run needs them
@@ -147,6 +151,7 @@ class Strategy(ABC):
         self._checkpoint_files: CheckpointFiles | None = None  # rank 0, during a stage that saved
         #: Rank 0 has checkpoint work in flight (CheckpointFiles), which the next optimizer step waits for.
         self.checkpoint_in_flight = False
+        self.compile_record: CompileRecord | None = None  # what compile_module compiled, for the reports
 
     # ------------------------------------------------------------------ required
     @abstractmethod
@@ -193,6 +198,7 @@ class Strategy(ABC):
             for folder in self._unsynced_folders:  # once per stage, not per file: see checkpoint.save_checkpoint_file
                 sync_folder(folder)
             self._unsynced_folders.clear()
+            stop_compile(self.compile_record)
             self.model = self.module
 
     @property
@@ -298,6 +304,12 @@ class Strategy(ABC):
         collectives."""
         module.to_empty(device=self.root_device)
         self.setup_module(module)
+
+    def compile_module(self, options: CompileOptions | None, cache_dir: Path) -> None:
+        """After setup_module wrapped or sharded the module: compile its regions (the `compile` option, else what the
+        user compiled with torch.compile), caching in `cache_dir`; its steps then run compiled."""
+        assert self.module is not None
+        self.compile_record = start_compile([self.module], options, self.module, cache_dir, self.is_global_zero)
 
     # ------------------------------------------------------------------ the steps (the per-step path)
     def plain_training_step(self) -> Callable[[Any, int], Any] | None:

@@ -23,6 +23,7 @@ from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies.base import StepDispatcher, Strategy
 
 if TYPE_CHECKING:
+    from torchyard.trainer.config import TrainerConfig
     from torchyard.trainer.module import TrainModule
 
 
@@ -84,6 +85,12 @@ class DataParallelStrategy(Strategy):
                 UserWarning,
                 stacklevel=3,  # the Trainer(...) line
             )
+
+    @override
+    def check_config(self, config: TrainerConfig, callbacks: list[Any]) -> None:
+        if config.compile is not None:  # DataParallel copies the module onto each GPU at every forward
+            raise MisconfigurationError("compile is not supported with strategy='dp' (DataParallel replicates the "
+                                        "module at every step); use strategy='ddp' with compile, or drop compile.")
 
     @override
     def processes_per_node(self) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment
+from torchyard.trainer.compile.regions import start_compile
 from torchyard.trainer.data.batches import move_to_device
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.logs.metrics import batch_value
@@ -48,6 +50,9 @@ from torchyard.trainer.strategies.pipeline.split import (
     v_style,
 )
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
+
+if TYPE_CHECKING:
+    from torchyard.trainer.compile.options import CompileOptions
 
 
 def sendable(value: Any) -> Any:
@@ -255,6 +260,12 @@ class PipelineStrategy(ProcessGroupStrategy):
         self._owned_keys = set().union(*(owned[index] for index, _ in self._local))
         self._owned_params = {id(p) for _, chunk in self._local for p in chunk.parameters()}
         self.module = self.model = module
+
+    @override
+    def compile_module(self, options: CompileOptions | None, cache_dir: Path) -> None:
+        """Each stage of this rank compiles its own part (its regions, else the stage's forward)."""
+        self.compile_record = start_compile([chunk for _, chunk in self._local], options, self.module, cache_dir,
+                                            self.is_global_zero)
 
     def _stage_parameters(self) -> list[torch.nn.Parameter]:
         return [p for _, chunk in self._local for p in chunk.parameters()]

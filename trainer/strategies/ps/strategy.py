@@ -284,6 +284,10 @@ class ParameterServerStrategy(ProcessGroupStrategy):
 
     @override
     def check_config(self, config: TrainerConfig, callbacks: list[Any]) -> None:
+        if config.compile is not None:  # a worker's module is refreshed from the server's tensors between steps
+            raise MisconfigurationError("compile is not supported with strategy='ps' (its workers pull parameters "
+                                        "from the server between steps); use strategy='ddp' with compile, or drop "
+                                        "compile.")
         if not self.dynamic_batches:
             return
         # Claimed batches have no length, known only as the epoch runs out: a fraction of one means nothing.
