@@ -50,7 +50,9 @@ LAYERS: dict[str, int] = {
     f"{T}.data.loaders": 7,
     # 7: what is built on the loaders: metric collection, and prediction outputs merged across ranks
     f"{T}.logs.metrics": 8, f"{T}.evaluation.predictions": 8,
-    # 8-11: the strategies: shared pieces, then the strategies, each above the ones it extends
+    # 8-12: the strategies: how they call the user's steps, shared pieces, then the strategies, each above the ones
+    #       it extends
+    f"{T}.strategies.user_steps": 8,
     f"{T}.strategies.distributed": 9, f"{T}.strategies.pipeline.split": 9, f"{T}.strategies.base": 9,
     f"{T}.strategies.comm_timing": 9, f"{T}.strategies.mesh": 9,
     f"{T}.strategies": 10, f"{T}.strategies.process_group": 10, f"{T}.strategies.single": 10,
@@ -65,7 +67,8 @@ LAYERS: dict[str, int] = {
     f"{T}.loop.loops": 14,
     # 15-16: the built-in callbacks, then their package (trainer.py builds the default ones)
     f"{C}.checkpoint": 15, f"{C}.early_stopping": 15, f"{C}.lr_monitor": 15, f"{C}.prediction_writer": 15,
-    f"{C}.progress": 15, f"{C}.gradient_accumulation": 15, f"{C}.compile_report": 15, f"{C}.profilers": 15, f"{C}.summary": 15, f"{C}.timer": 15,
+    f"{C}.progress": 15, f"{C}.gradient_accumulation": 15, f"{C}.compile_report": 15, f"{C}.profilers": 15,
+    f"{C}.summary": 15, f"{C}.timer": 15,
     #     and the evaluator side process's callback (it validates with the Trainer class it is handed, not imports)
     f"{T}.evaluation.evaluator": 15, f"{C}.step_timing": 15,
     C: 16,

@@ -13,7 +13,8 @@ from torchyard.trainer.data.loaders import batch_mover
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import TrainModule, overridden
 from torchyard.trainer.optim import HookedClosure, HookOptimizer, needs_closure, step_scheduler, takes_closure
-from torchyard.trainer.strategies.base import HOST, step_loss
+from torchyard.trainer.strategies.base import HOST
+from torchyard.trainer.strategies.user_steps import step_loss
 
 if TYPE_CHECKING:
     from torchyard.trainer.loop.faults import StepGuard

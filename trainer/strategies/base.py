@@ -8,8 +8,6 @@ new strategy implements and in which order the Trainer calls it.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ from torchyard.trainer.data.loaders import prepare_loader
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.module import TrainModule, overridden
 from torchyard.trainer.precision import Precision
+from torchyard.trainer.strategies.user_steps import bound_step, run_step, step_loss
 
 HOST = torch.device("cpu")
 
@@ -49,52 +48,6 @@ def resolve_accelerator(accelerator: str) -> str:
     if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         raise MisconfigurationError(f"accelerator={accelerator!r} but no CUDA device is visible; use 'cpu' or 'auto'.")
     return "cuda" if accelerator == "gpu" else accelerator
-
-
-class StepDispatcher(nn.Module):
-    """Routes `wrapper(name, *args)` to `module.<name>(*args)` so a wrapper's forward hooks
-    (DDP's gradient-sync preparation, DataParallel's scatter/gather) fire around the user's steps."""
-
-    def __init__(self, module: TrainModule) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, step_name: str, *args: Any) -> Any:
-        return run_step(self.module, step_name, *args)
-
-
-def bound_step(module: nn.Module, step_name: str) -> Callable[..., Any]:
-    """The module's `step_name`, to call on (batch, batch_idx, ...): batch_idx is left out where the step takes
-    none, as Lightning does (`def training_step(self, batch):` is common)."""
-    step = getattr(module, step_name)
-    if _needs_dataloader_idx(type(module), step_name):
-        return lambda batch, batch_idx, *rest: step(batch, batch_idx, *(rest or (0,)))
-    if _takes_batch_idx(type(module), step_name):
-        return step
-    return lambda batch, batch_idx, *rest: step(batch, *rest)
-
-
-def run_step(module: nn.Module, step_name: str, batch: Any, batch_idx: int, *rest: Any) -> Any:
-    """The module's `step_name` on (batch, batch_idx, ...) (see bound_step)."""
-    return bound_step(module, step_name)(batch, batch_idx, *rest)
-
-
-@functools.cache
-def _takes_batch_idx(cls: type, step_name: str) -> bool:
-    """Whether the step has a batch_idx parameter: a third positional one (after self and batch), or *args."""
-    parameters = inspect.signature(getattr(cls, step_name)).parameters.values()
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
-
-
-@functools.cache
-def _needs_dataloader_idx(cls: type, step_name: str) -> bool:
-    """Whether the step's dataloader_idx has no default: Lightning then passes it for a single loader too."""
-    try:
-        inspect.signature(getattr(cls, step_name)).bind(None, None, 0)  # self, batch, batch_idx
-    except TypeError:
-        return _takes_batch_idx(cls, step_name)
-    return False
 
 
 class Strategy(ABC):
@@ -502,15 +455,3 @@ class Strategy(ABC):
 def _on_device(module: nn.Module, device: torch.device) -> bool:
     """Every parameter and buffer already on `device`, the host (a CUDA device without an index is ambiguous)."""
     return device.type == "cpu" and all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
-
-
-def step_loss(output: Any) -> torch.Tensor:
-    """The loss in what training_step returned (a tensor, or a dict with 'loss')."""
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, torch.Tensor):
-        got = "None (nothing)" if output is None else type(output).__name__
-        raise MisconfigurationError(
-            f"training_step returned {got}; under automatic optimization it must return the loss tensor "
-            "or a dict with key 'loss' (or set `automatic_optimization = False`)."
-        )
-    return loss

@@ -20,9 +20,10 @@ from typing_extensions import override
 from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.data.batches import move_to_device
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.strategies.base import HOST, StepDispatcher
+from torchyard.trainer.strategies.base import HOST
 from torchyard.trainer.strategies.comm_timing import CommunicationTimer, timed_hook
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
+from torchyard.trainer.strategies.user_steps import StepDispatcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -20,7 +20,8 @@ from torch import nn
 from typing_extensions import override
 
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.strategies.base import StepDispatcher, Strategy
+from torchyard.trainer.strategies.base import Strategy
+from torchyard.trainer.strategies.user_steps import StepDispatcher
 
 if TYPE_CHECKING:
     from torchyard.trainer.config import TrainerConfig

@@ -27,7 +27,6 @@ from typing_extensions import override
 from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.errors import MisconfigurationError, closest
 from torchyard.trainer.module import TrainModule
-from torchyard.trainer.strategies.base import StepDispatcher
 from torchyard.trainer.strategies.fsdp_checkpoint import (
     ShardedPart,
     full_model_state,
@@ -54,6 +53,7 @@ from torchyard.trainer.strategies.mesh import (
     shard_mesh,
 )
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
+from torchyard.trainer.strategies.user_steps import StepDispatcher
 
 CHECKPOINT_KINDS = ("full", "sharded")
 #: Modules whose parameters are DTensors on the mesh of a run that has ended: no later run can use them.
