@@ -21,19 +21,19 @@ LAYERS: dict[str, int] = {
     #    packages
     f"{T}.errors": 0, **{f"{T}.{folder}": 0 for folder in (
         "checkpointing", "cli", "cluster", "data", "evaluation", "launch", "logs", "loop", "scaling", "strategies.ps",
-        "strategies.pipeline")},
+        "strategies.pipeline", "diagnosis")},
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
     #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, where
     #    the running script called us (under its main guard or not), and glibc's malloc settings
     f"{T}.cluster.environment": 1, f"{T}.loop.rng": 1, f"{T}.logs.runs": 1, f"{T}.loop.faults": 1,
     f"{T}.checkpointing.files": 1, f"{T}.data.batches": 1, f"{C}.base": 1, f"{T}.data.combined": 1,
     f"{T}.checkpointing.hparams": 1, f"{T}.cluster.script_guard": 1, f"{T}.data.samplers": 1,
-    f"{T}.loop.host_memory": 1,
+    f"{T}.loop.host_memory": 1, f"{T}.diagnosis.markers": 1,
     # 2: the metric writers (CSV, TensorBoard, MLflow), and Lightning's import path for them; the forkserver that the
     #    workers of a spawned job fork from (it asks where the script called us); the checks every node of a
     #    multi-node job runs before the nodes meet; the evaluator's record of a run
     f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
-    f"{T}.logs.evaluations": 3,
+    f"{T}.logs.evaluations": 3, f"{T}.diagnosis.watchdog": 2,
     # 3: the option schema: every Trainer option and its checks
     f"{T}.config": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table
@@ -115,7 +115,8 @@ FOLDER_IMPORTS: dict[str, set[str]] = {
     "data": {"root", "cluster"},
     "logs": {"root", "data"},
     "checkpointing": {"root", "logs", "loop"},
-    "strategies": {"root", "checkpointing", "cluster", "data", "logs"},
+    "strategies": {"root", "checkpointing", "cluster", "data", "diagnosis", "logs"},
+    "diagnosis": {"root"},
     "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
     "loop": {"root", "callbacks", "data", "evaluation", "strategies"},
     "callbacks": {"root", "checkpointing", "data", "logs"},

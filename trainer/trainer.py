@@ -228,6 +228,7 @@ class Trainer(TrainerProperties):
         module._trainer = self
         if datamodule is not None:
             datamodule.trainer = self
+        self.strategy.follow_progress(self.progress)  # a stuck job's report names the step (trainer/diagnosis)
         last_logged_step = self.metrics.rows.last_logged_step  # a later fit goes on at the same step
         self.metrics = MetricCollector(self.strategy.reduce, self.loggers, self.progress,
                                        self.config.log_every_n_steps, writes=self.is_global_zero)

@@ -95,6 +95,12 @@ def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta, back
     return store
 
 
+def diagnosis_store(environment: ClusterEnvironment, timeout_s: float, backend: str) -> dist.Store:
+    """Where this attempt's ranks publish their positions when stuck (trainer/diagnosis/watchdog.py)."""
+    store = job_store(environment, datetime.timedelta(seconds=timeout_s), backend)
+    return dist.PrefixStore(f"trainer/attempt_{environment.restart_count}/diagnosis/", store)
+
+
 def destroy_process_group() -> None:
     """Leave the job; safe to call twice."""
     if dist.is_available() and dist.is_initialized():

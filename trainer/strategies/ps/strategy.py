@@ -170,6 +170,7 @@ class ParameterServerStrategy(ProcessGroupStrategy):
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"{session}/workers/", store),
                                     rank=self.global_rank, world_size=self.world_size, timeout=timeout)
             self._owns_group = True
+            self._start_watchdog(environment, self.global_rank, self.world_size)  # the workers watch each other
 
     def _join_rpc(self, store: dist.Store, session: str, environment: ClusterEnvironment) -> None:
         # RPC meets at its own port (its rendezvous store cannot share the job's); rank 0 picks a free one.
@@ -272,7 +273,9 @@ class ParameterServerStrategy(ProcessGroupStrategy):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self._client is not None:
+            self.marker.enter("pull", "the parameters from the servers")
             self._client.refresh()
+            self.marker.leave()
         return super().training_step(batch, batch_idx)
 
     @override
@@ -326,7 +329,9 @@ class ParameterServerStrategy(ProcessGroupStrategy):
     ) -> None:
         """Push the gradients (RemoteOptimizer.step); log how stale they were. (No optimizer that needs a closure
         gets here: check_optimizer refuses it.)"""
+        self.marker.enter("push", "the gradients to the servers")
         super().optimizer_step(optimizer, closure)
+        self.marker.leave()
         pushed = getattr(optimizer, "last_push", None)
         if pushed and self.module is not None:
             self.module.log("ps/staleness", float(pushed["staleness"]))

@@ -1,0 +1,112 @@
+"""A job that goes wrong says who and where (trainer/diagnosis/): the report of a stuck rank, read off real stacks,
+and the jobs of tests/diagnosis/cases.py run for real on every strategy."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from diagnosis import cases
+
+from torchyard.trainer.diagnosis.markers import Marker, Position, live_frames, position_of
+from torchyard.trainer.diagnosis.watchdog import format_report
+from torchyard.trainer.errors import CollectiveTimeoutError
+
+TIMEOUT = 5.0
+
+
+def line_of(function, text: str) -> int:
+    """The line number of the first line of `function` that holds `text`."""
+    lines, start = inspect.getsourcelines(function)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def position(rank: int, **fields) -> Position:
+    base = dict(rank=rank, host="node0", pid=100 + rank, step=5, count=57, operation=None, purpose="",
+                torch_call=None, in_user_code=False, innermost="wait at x.py:1", function=None, file=None, line=None,
+                code=None, still_since=time.time() - 30, stack="")
+    return Position(**{**base, **fields})
+
+
+def test_the_report_names_the_rank_that_never_reached_the_collective_and_its_line():
+    waiting = position(0, operation="all_reduce", purpose="gradients")
+    stuck = position(1, count=56, in_user_code=True, function="training_step", file="/home/me/train.py", line=25,
+                     code="time.sleep(600)")
+    report = format_report({0: waiting, 1: stuck, 2: None}, timeout_s=20)
+    lines = report.splitlines()
+    assert lines[0] == (
+        "rank 1 never reached all_reduce #57 (gradients of step 5): it is in training_step at train.py:25 "
+        "(time.sleep(600)); rank 2 told nothing (gone, or running code that holds the GIL). No rank advanced for "
+        "20 s (Trainer(timeout=...)). Every rank:")
+    assert lines[1] == "  rank 0 (node0, pid 100): waits in all_reduce #57 (gradients of step 5); still for 30 s"
+    assert lines[2] == ("  rank 1 (node0, pid 101): runs the user's code, in training_step at /home/me/train.py:25 "
+                        "(time.sleep(600)); still for 30 s")
+    assert lines[3] == "  rank 2: no position published"
+
+
+def test_ranks_all_in_collectives_report_the_ones_that_entered_fewer_as_behind():
+    ahead = position(0, operation="barrier", purpose="save_checkpoint", count=58)
+    behind = position(1, operation="all_reduce", purpose="gradients", count=57)
+    headline = format_report({0: ahead, 1: behind}, timeout_s=20).splitlines()[0]
+    assert headline.startswith("rank 1 never reached barrier #58 (save_checkpoint of step 5): it waits in "
+                               "all_reduce #57 (gradients of step 5)")
+
+
+def _sleeps_in_user_code(started: threading.Event, release: threading.Event) -> None:
+    started.set()
+    release.wait(30)  # the line the position must name
+
+
+def test_a_position_read_off_a_live_stack_names_the_innermost_user_frame_and_its_source_line():
+    started, release = threading.Event(), threading.Event()
+    thread = threading.Thread(target=_sleeps_in_user_code, args=(started, release))
+    thread.start()
+    try:
+        started.wait(10)
+        marker = Marker()
+        marker.enter("all_reduce", "gradients")  # the marker alone does not put a rank that runs user code in it
+        frames, lines = live_frames(thread.ident)
+        found = position_of(frames, lines, marker, rank=3, still_since=time.time())
+    finally:
+        release.set()
+        thread.join()
+    assert (found.function, Path(found.file).name, found.code) == (
+        "_sleeps_in_user_code", "test_diagnosis.py", "release.wait(30)  # the line the position must name")
+    assert found.line == line_of(_sleeps_in_user_code, "release.wait(30)")
+    assert found.in_user_code and not found.in_collective
+
+
+# What the report says each strategy's waiting rank waits in, and where the stuck rank 1 blocks.
+WAITS_IN = {
+    "ddp": r"all_reduce #\d+ \(gradients of step 5\)",
+    "fsdp": r"reduce_scatter #\d+ \(gradients of step 5\)",
+    "pipeline": r"send/recv #\d+ \(the stages' activations and gradients of step 5\)",
+    "ps": r"pull #\d+ \(the parameters from the servers of step [56]\)",  # the other worker may be a step ahead
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline", "ps"])
+def test_a_stuck_rank_is_named_with_its_line_and_the_job_ends_soon_after_the_timeout(strategy, tmp_path):
+    stuck_at = tmp_path / "stuck_at"
+    with pytest.raises(CollectiveTimeoutError) as caught:
+        cases.stuck(strategy, TIMEOUT, str(stuck_at))
+    elapsed = time.time() - float(stuck_at.read_text())
+    function = cases.StuckStage.pipeline_loss if strategy == "pipeline" else cases.StuckRank.training_step
+    line = line_of(function, "time.sleep(600)")
+    headline = str(caught.value).splitlines()[0]
+    expected = (rf"rank 1 never reached {WAITS_IN[strategy]}: it is in {function.__name__} at cases.py:{line} "
+                r"\(time.sleep\(600\)\)\. No rank advanced for 5 s")
+    assert re.match(expected, headline), headline
+    rank_lines = str(caught.value).splitlines()[1:3]
+    assert re.match(rf"  rank 0 \(.*\): waits in {WAITS_IN[strategy]}; still for \d+ s", rank_lines[0])
+    assert "rank 1 (" in rank_lines[1] and f"runs the user's code, in {function.__name__} at " in rank_lines[1]
+    if strategy == "ddp":
+        assert "rank 0 waited more than 5 s in the gradient all-reduce in backward (DDPStrategy.backward" in str(
+            caught.value)
+    slack = 40 if strategy == "ps" else 6  # ps: a server leaves only at the launcher's SIGKILL (30 s after SIGTERM)
+    assert elapsed < TIMEOUT + slack, f"the job took {elapsed:.0f} s to end after rank 1 got stuck"
