@@ -3,8 +3,10 @@ and the jobs of tests/diagnosis/cases.py run for real on every strategy."""
 
 from __future__ import annotations
 
+import csv
 import inspect
 import re
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from diagnosis import cases
 
 from torchyard.trainer.diagnosis.markers import Marker, Position, live_frames, position_of
+from torchyard.trainer.diagnosis.stragglers import StragglerWatch, slowest_rank
 from torchyard.trainer.diagnosis.watchdog import format_report
 from torchyard.trainer.errors import CollectiveTimeoutError
 
@@ -110,3 +113,30 @@ def test_a_stuck_rank_is_named_with_its_line_and_the_job_ends_soon_after_the_tim
             caught.value)
     slack = 40 if strategy == "ps" else 6  # ps: a server leaves only at the launcher's SIGKILL (30 s after SIGTERM)
     assert elapsed < TIMEOUT + slack, f"the job took {elapsed:.0f} s to end after rank 1 got stuck"
+
+
+def test_the_slowest_rank_is_named_only_when_it_is_persistently_slower():
+    step = [0.001, 0.002, 0.004, 0.001]  # data, training_step, backward, optimizer
+    slow = [0.001, 0.032, 0.002, 0.001]  # 30 ms more in its training step; the others wait for it in backward
+    waiting = [0.001, 0.002, 0.034, 0.001]
+    assert slowest_rank([[waiting, slow, waiting]] * 4).startswith(
+        "rank 1 is the slowest: +30 ms a step (in its training step), in 4 of 4 sampled steps; its step splits into "
+        "data 1.0 ms, training_step 32.0 ms, backward 2.0 ms, optimizer 1.0 ms")
+    assert slowest_rank([[step, step]] * 4) is None  # none slower
+    assert slowest_rank([[waiting, slow], [slow, waiting], [step, step], [step, step]]) is None  # not persistently
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_30_ms_slower_each_step_is_named_at_the_end_and_its_split_is_logged(tmp_path):
+    trainer = cases.slow("ddp", str(tmp_path))
+    watch = next(c for c in trainer.callbacks if isinstance(c, StragglerWatch))
+    found = re.match(r"rank 1 is the slowest: \+(\d+) ms a step \(in its training step\), in (\d+) of (\d+) sampled",
+                     watch.summary or "")
+    assert found, watch.summary
+    assert 25 <= int(found[1]) <= 80 and int(found[2]) >= int(found[3]) // 2
+    with open(Path(trainer.log_dir) / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("diagnosis/rank1_training_step_ms")]
+    assert len(rows) == int(found[3])
+    slow = statistics.median(float(row["diagnosis/rank1_training_step_ms"]) for row in rows)
+    other = statistics.median(float(row["diagnosis/rank0_training_step_ms"]) for row in rows)
+    assert 28 <= slow - other <= 80

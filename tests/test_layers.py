@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     #    workers of a spawned job fork from (it asks where the script called us); the checks every node of a
     #    multi-node job runs before the nodes meet; the evaluator's record of a run
     f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
-    f"{T}.logs.evaluations": 3, f"{T}.diagnosis.watchdog": 2,
+    f"{T}.logs.evaluations": 3, f"{T}.diagnosis.watchdog": 2, f"{T}.diagnosis.stragglers": 2,
     # 3: the option schema: every Trainer option and its checks
     f"{T}.config": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table
@@ -110,13 +110,14 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
 # Folders importing only downwards in it: cluster and data know no loop, strategy or launcher; strategies know no
 # loop or launcher (a strategy never touches the loop); nothing but the command line and scaling imports cli.
 FOLDER_IMPORTS: dict[str, set[str]] = {
-    "root": {"callbacks", "checkpointing", "cli", "data", "evaluation", "launch", "logs", "loop", "strategies"},
+    "root": {"callbacks", "checkpointing", "cli", "data", "diagnosis", "evaluation", "launch", "logs", "loop",
+             "strategies"},
     "cluster": {"root"},
     "data": {"root", "cluster"},
     "logs": {"root", "data"},
     "checkpointing": {"root", "logs", "loop"},
     "strategies": {"root", "checkpointing", "cluster", "data", "diagnosis", "logs"},
-    "diagnosis": {"root"},
+    "diagnosis": {"root", "callbacks"},
     "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
     "loop": {"root", "callbacks", "data", "evaluation", "strategies"},
     "callbacks": {"root", "checkpointing", "data", "logs"},

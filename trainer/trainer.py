@@ -74,6 +74,7 @@ class Trainer(TrainerProperties):
             self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision
         )
         self.strategy.timeout = float(self.config.timeout)
+        self.strategy.diagnosis = self.config.diagnosis
         check_sync_batchnorm(self.config, self.strategy.job_size, resolve_accelerator(self.config.accelerator))
         self.loggers: list[Logger] = build_loggers(self.config, self.config.logger)
         given = callback_list(callbacks, "callbacks must be")

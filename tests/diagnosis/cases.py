@@ -1,6 +1,7 @@
 """Small jobs that go wrong on purpose, for tests/test_diagnosis.py and the output shown in docs/diagnosis.md.
 
     python cases.py stuck <ddp|fsdp|pipeline|ps> [timeout]    rank 1 blocks in its training_step at step 5
+    python cases.py slow <ddp|...>                            rank 1 takes 30 ms longer every training_step
 """
 
 from __future__ import annotations
@@ -68,9 +69,19 @@ class StuckStage(StuckRank):
         return F.mse_loss(output, batch[1])
 
 
+class SlowRank(Net):
+    """Rank 1 takes 30 ms longer over every training_step (a slower GPU, a busy host, a costly batch)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1:
+            time.sleep(0.03)
+        return super().training_step(batch, batch_idx)
+
+
 def trainer(strategy: str, timeout: float, **options) -> Trainer:
     spec, devices = STRATEGIES[strategy]
-    return Trainer(strategy=spec, devices=devices, accelerator="cpu", max_epochs=1, timeout=timeout, logger=False,
+    options = {"logger": False, **options}
+    return Trainer(strategy=spec, devices=devices, accelerator="cpu", max_epochs=1, timeout=timeout,
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **options)
 
 
@@ -79,6 +90,16 @@ def stuck(strategy: str, timeout: float = 4.0, stuck_at: str | None = None) -> N
     trainer(strategy, timeout).fit(module, loader())
 
 
+def slow(strategy: str, root: str = "runs") -> Trainer:
+    """The fit of SlowRank, sampling every step's time split (logged under `root`); the Trainer it ran."""
+    fitted = trainer(strategy, 60.0, logger=True, default_root_dir=root, log_every_n_steps=1)
+    fitted.fit(SlowRank(), loader())
+    return fitted
+
+
 if __name__ == "__main__":
     case, strategy, *rest = sys.argv[1:]
-    {"stuck": stuck}[case](strategy, *map(float, rest[:1]), *rest[1:])
+    if case == "slow":
+        slow(strategy)
+    else:
+        stuck(strategy, *map(float, rest[:1]), *rest[1:])

@@ -131,6 +131,7 @@ class Strategy(ABC):
         self.precision = Precision()
         self.environment = ClusterEnvironment(name="local")
         self.timeout = 1800.0  # seconds a collective may wait (the Trainer sets its `timeout` option here)
+        self.diagnosis = "on"  # the Trainer's `diagnosis` option: how closely the ranks are watched (trainer/diagnosis)
         #: Ends this process, given the report, when a collective hangs without raising (None: print, exit 1).
         self.on_hang: Callable[[str], None] | None = None
         self.root_device = torch.device("cpu")

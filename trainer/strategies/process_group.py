@@ -74,7 +74,8 @@ class ProcessGroupStrategy(Strategy):
         # A group the user's script created itself is theirs to destroy.
         self._owns_group = not dist.is_initialized()
         distributed.init_process_group(environment, self.backend, self.timeout)
-        if self._owns_group or environment.use_agent_store:  # else the job's store is the user's script's
+        # Not on a group the user's script made itself, unless its store is the launcher's (else it is the script's).
+        if self.diagnosis != "off" and (self._owns_group or environment.use_agent_store):
             self._start_watchdog(environment, self.global_rank, self.world_size)
 
     def _start_watchdog(self, environment: ClusterEnvironment, rank: int, world_size: int) -> None:
