@@ -17,7 +17,7 @@ from diagnosis import cases
 from torchyard.trainer.diagnosis.markers import Marker, Position, live_frames, position_of
 from torchyard.trainer.diagnosis.stragglers import StragglerWatch, slowest_rank
 from torchyard.trainer.diagnosis.watchdog import format_report
-from torchyard.trainer.errors import CollectiveTimeoutError
+from torchyard.trainer.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 TIMEOUT = 5.0
 
@@ -119,11 +119,12 @@ def test_the_slowest_rank_is_named_only_when_it_is_persistently_slower():
     step = [0.001, 0.002, 0.004, 0.001]  # data, training_step, backward, optimizer
     slow = [0.001, 0.032, 0.002, 0.001]  # 30 ms more in its training step; the others wait for it in backward
     waiting = [0.001, 0.002, 0.034, 0.001]
-    assert slowest_rank([[waiting, slow, waiting]] * 4).startswith(
-        "rank 1 is the slowest: +30 ms a step (in its training step), in 4 of 4 sampled steps; its step splits into "
+    assert slowest_rank([[waiting, slow, waiting]] * 6).startswith(
+        "rank 1 is the slowest: +30 ms a step (in its training step), in 6 of 6 sampled steps; its step splits into "
         "data 1.0 ms, training_step 32.0 ms, backward 2.0 ms, optimizer 1.0 ms")
-    assert slowest_rank([[step, step]] * 4) is None  # none slower
-    assert slowest_rank([[waiting, slow], [slow, waiting], [step, step], [step, step]]) is None  # not persistently
+    assert slowest_rank([[step, step]] * 6) is None  # none slower
+    assert slowest_rank([[waiting, slow]] * 4) is None  # too few samples to tell
+    assert slowest_rank([[waiting, slow], [slow, waiting]] * 3) is None  # not persistently
 
 
 @pytest.mark.timeout(120)
@@ -140,3 +141,15 @@ def test_a_rank_30_ms_slower_each_step_is_named_at_the_end_and_its_split_is_logg
     slow = statistics.median(float(row["diagnosis/rank1_training_step_ms"]) for row in rows)
     other = statistics.median(float(row["diagnosis/rank0_training_step_ms"]) for row in rows)
     assert 28 <= slow - other <= 80
+
+
+@pytest.mark.timeout(120)
+def test_with_diagnosis_debug_an_extra_collective_on_one_rank_stops_the_job_naming_both_call_sites():
+    with pytest.raises(CollectiveMismatchError) as caught:
+        cases.mismatch("ddp")
+    line = line_of(cases.ExtraCollective.training_step, "all_reduce(torch.ones(3))")
+    assert re.match(
+        r"the ranks called different collectives as their collective #(\d+): rank 0 called all_reduce #\1 \(gradients "
+        r"of step 3\) \(the framework\); rank 1 called all_reduce of float32\[3\] \(the user's code, in training_step "
+        rf"at cases.py:{line} \(torch.distributed.all_reduce\(torch.ones\(3\)\)\)\)\. Every rank must call the same "
+        "collectives in the same order", str(caught.value)), str(caught.value)

@@ -2,6 +2,7 @@
 
     python cases.py stuck <ddp|fsdp|pipeline|ps> [timeout]    rank 1 blocks in its training_step at step 5
     python cases.py slow <ddp|...>                            rank 1 takes 30 ms longer every training_step
+    python cases.py mismatch <ddp|...> [timeout]              rank 1 alone calls an extra all_reduce at step 3
 """
 
 from __future__ import annotations
@@ -78,6 +79,19 @@ class SlowRank(Net):
         return super().training_step(batch, batch_idx)
 
 
+class ExtraCollective(Net):
+    """Rank 1 alone calls an all-reduce of its own at step 3: the ranks' collectives no longer match."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 3:
+            torch.distributed.all_reduce(torch.ones(3))
+        return super().training_step(batch, batch_idx)
+
+
+def mismatch(strategy: str, timeout: float = 20.0) -> None:
+    trainer(strategy, timeout, diagnosis="debug").fit(ExtraCollective(), loader())
+
+
 def trainer(strategy: str, timeout: float, **options) -> Trainer:
     spec, devices = STRATEGIES[strategy]
     options = {"logger": False, **options}
@@ -101,5 +115,7 @@ if __name__ == "__main__":
     case, strategy, *rest = sys.argv[1:]
     if case == "slow":
         slow(strategy)
+    elif case == "mismatch":
+        mismatch(strategy, *map(float, rest[:1]))
     else:
         stuck(strategy, *map(float, rest[:1]), *rest[1:])

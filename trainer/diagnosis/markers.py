@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
@@ -41,18 +42,22 @@ class Marker:
     """This rank's progress: how many framework collectives it entered, the one it is in now (if any) and what it is
     for, and the loop's progress object (read for the step number). Written by the training thread only."""
 
-    __slots__ = ("count", "operation", "purpose", "progress")
+    __slots__ = ("count", "operation", "purpose", "progress", "agree")
 
     def __init__(self) -> None:
         self.count = 0  # framework collectives entered since set-up: the same sequence on every rank in lockstep
         self.operation: str | None = None  # the framework collective this rank is in now ("all_reduce"), or None
         self.purpose = ""  # what it is for ("gradients")
         self.progress: Any = None  # the loop's Progress (global_step, epoch_batches), once a stage runs
+        #: diagnosis='debug': called as each framework collective begins, to agree on it with the other ranks.
+        self.agree: Callable[[str, str], None] | None = None
 
     def enter(self, operation: str, purpose: str) -> None:
         """The training thread is about to wait in framework collective `operation`, for `purpose`."""
         self.count += 1
         self.operation, self.purpose = operation, purpose
+        if self.agree is not None:
+            self.agree(operation, purpose)
 
     def leave(self) -> None:
         self.operation = None

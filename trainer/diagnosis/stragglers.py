@@ -28,10 +28,12 @@ PHASES = ("data", "training_step", "backward", "optimizer")
 #: How the summary names the phase where a slow rank loses its time.
 PHASE_WORDS = {"data": "waiting for data", "training_step": "in its training step", "backward": "in its backward",
                "optimizer": "in its optimizer step"}
-#: A rank is reported when its own time exceeds the other ranks' median by this much (and by 5% of a step)...
+#: A rank is reported when its own time exceeds the other ranks' median by this much (and by 10% of a step)...
 MIN_EXCESS_S = 0.002
-#: ... and it was the slowest in at least this share of the sampled steps.
-MIN_SHARE = 0.5
+#: ... and it was the slowest in at least this share of at least MIN_SAMPLES sampled steps (a busy machine makes
+#: any rank slow now and then).
+MIN_SHARE = 0.75
+MIN_SAMPLES = 5
 
 
 class StragglerWatch(Callback):
@@ -120,8 +122,8 @@ def _mean_split(rows: list[list[float]]) -> list[float]:
 def slowest_rank(samples: list[list[list[float]]]) -> str | None:
     """The summary line for a rank persistently slower than the others, from each sampled step's per-rank split
     (seconds in PHASES); None when no rank is."""
-    if not samples or len(samples[0]) < 2:
-        return None
+    if not samples or len(samples[0]) < 2 or (len(samples) < MIN_SAMPLES and len(samples) > 1):
+        return None  # (one sample: the means of ranks that run at their own pace, ps's)
     own = [i for i, phase in enumerate(PHASES) if phase != "backward"]  # backward holds the wait for the others
 
     def own_time(row: list[float]) -> float:
@@ -137,7 +139,7 @@ def slowest_rank(samples: list[list[list[float]]]) -> str | None:
     excess = [means[rank][i] - statistics.median(m[i] for m in others) for i in range(len(PHASES))]
     total = sum(excess[i] for i in own)
     step = statistics.median(sum(m) for m in means)
-    if count < MIN_SHARE * len(samples) or total < max(MIN_EXCESS_S, 0.05 * step):
+    if count < MIN_SHARE * len(samples) or total < max(MIN_EXCESS_S, 0.1 * step):
         return None
     phase = PHASES[max(own, key=lambda i: excess[i])]
     return (f"rank {rank} is the slowest: +{total * 1e3:.0f} ms a step ({PHASE_WORDS[phase]}), in {count} of "

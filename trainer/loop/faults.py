@@ -377,7 +377,8 @@ def is_collective_timeout(error: BaseException) -> bool:
 
 
 def raise_if_collective_timeout(error: BaseException, strategy: Strategy) -> None:
-    """Re-raise a collective timeout as one line naming the operation that waited; otherwise do nothing."""
+    """Re-raise a collective timeout as the report of where every rank is (trainer/diagnosis), or one line naming
+    the operation that waited; otherwise do nothing."""
     if not is_collective_timeout(error) or isinstance(error, CollectiveTimeoutError):
         return
     waited = (f"rank {strategy.global_rank} waited more than {strategy.timeout:g} s in "

@@ -18,6 +18,7 @@ A strategy on a process group subclasses this and adds only what is its own, for
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment, resolve_environment
+from torchyard.trainer.diagnosis.agreement import CollectiveAgreement, checking_user_collectives
 from torchyard.trainer.diagnosis.markers import Marker
 from torchyard.trainer.diagnosis.watchdog import Watchdog
 from torchyard.trainer.errors import MisconfigurationError
@@ -51,6 +53,7 @@ class ProcessGroupStrategy(Strategy):
         # it: trainer/diagnosis/.
         self.marker = Marker()
         self._watchdog: Watchdog | None = None
+        self._user_checks = contextlib.ExitStack()  # diagnosis='debug': torch.distributed's functions, checked
 
     # ------------------------------------------------------------------ the world
     @override
@@ -83,6 +86,10 @@ class ProcessGroupStrategy(Strategy):
         store = distributed.diagnosis_store(environment, self.timeout, self.backend)
         self._watchdog = Watchdog(self.marker, store, rank, world_size, self.timeout, self.on_hang)
         self._watchdog.start()
+        if self.diagnosis == "debug":  # every collective, the user's too, agreed on before it runs
+            agreement = CollectiveAgreement(self.marker, store, rank, world_size)
+            self.marker.agree = agreement.framework
+            self._user_checks.enter_context(checking_user_collectives(agreement))
 
     def _check_launch(self, environment: ClusterEnvironment) -> None:
         expected = self.devices * self.num_nodes
@@ -133,6 +140,9 @@ class ProcessGroupStrategy(Strategy):
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        self._user_checks.close()
+        self.marker.agree = None
+
         if self._owns_group:
             distributed.leave_process_group(keep=self.keeps_process_group)
         super().teardown()
