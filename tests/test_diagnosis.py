@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import inspect
+import os
 import re
+import socket
 import statistics
 import threading
 import time
@@ -14,10 +16,12 @@ from pathlib import Path
 import pytest
 from diagnosis import cases
 
+from torchyard.trainer.cluster.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.diagnosis.markers import Marker, Position, live_frames, position_of
 from torchyard.trainer.diagnosis.stragglers import StragglerWatch, slowest_rank
 from torchyard.trainer.diagnosis.watchdog import format_report
-from torchyard.trainer.errors import CollectiveMismatchError, CollectiveTimeoutError
+from torchyard.trainer.errors import CollectiveMismatchError, CollectiveTimeoutError, StartupTimeoutError
+from torchyard.trainer.strategies import distributed
 
 TIMEOUT = 5.0
 
@@ -153,3 +157,18 @@ def test_with_diagnosis_debug_an_extra_collective_on_one_rank_stops_the_job_nami
         r"of step 3\) \(the framework\); rank 1 called all_reduce of float32\[3\] \(the user's code, in training_step "
         rf"at cases.py:{line} \(torch.distributed.all_reduce\(torch.ones\(3\)\)\)\)\. Every rank must call the same "
         "collectives in the same order", str(caught.value)), str(caught.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_start_up_that_stalls_names_the_ranks_that_never_arrived_and_the_address_used(monkeypatch):
+    monkeypatch.setattr(distributed, "_STORE", None)  # this test's store, gone with it
+    port = find_free_port()
+    environment = ClusterEnvironment(name="torchrun", global_rank=0, world_size=3, local_world_size=3, master_port=port)
+    started = time.monotonic()
+    with pytest.raises(StartupTimeoutError) as caught:
+        distributed.init_process_group(environment, "gloo", timeout_s=1.0)
+    assert time.monotonic() - started < 5
+    assert str(caught.value).startswith(
+        f"rank 0 waited 1 s at the job's rendezvous 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT, from torchrun) for its "
+        f"3 ranks, but ranks 1, 2 never arrived; 1 did: rank 0 ({socket.gethostname()}, pid {os.getpid()}). Check "
+        "that the missing ranks' processes started")

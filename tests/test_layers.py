@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     #    multi-node job runs before the nodes meet; the evaluator's record of a run
     f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
     f"{T}.logs.evaluations": 3, f"{T}.diagnosis.watchdog": 2, f"{T}.diagnosis.stragglers": 2,
-    f"{T}.diagnosis.agreement": 2,
+    f"{T}.diagnosis.agreement": 2, f"{T}.diagnosis.arrival": 1,
     # 3: the option schema: every Trainer option and its checks
     f"{T}.config": 3,
     # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table

@@ -33,6 +33,10 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete within Trainer(timeout=...): another rank is stuck or gone."""
 
 
+class StartupTimeoutError(RuntimeError):
+    """Some ranks of the job did not arrive at its rendezvous within Trainer(timeout=...)."""
+
+
 class CollectiveMismatchError(RuntimeError):
     """The ranks called different collectives (operation, shapes) at the same point (diagnosis='debug')."""
 
