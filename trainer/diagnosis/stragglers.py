@@ -6,7 +6,8 @@ gradient communication, and with it the time the faster ranks wait for a slower 
 ranks step in lockstep, so their whole steps take the same time; a slow rank shows as more time of its own (data,
 training step, optimizer) and the others as more time in backward, waiting for it. The Trainer adds this callback
 to every job of several processes (diagnosis='on'); its cost is four clock reads a step, plus, every n steps, a
-gather of four numbers per rank (a CUDA synchronize on the sampled step, so that the clock sees the device's work).
+gather of four numbers per rank that no step waits for (and on CUDA a synchronize at the sampled step's phases, so
+that the clock sees the device's work). benchmarks/diagnosis.py measures it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StragglerWatch(Callback):
         self._sampling = False
         self.samples: list[list[list[float]]] = []  # per sampled step: per rank, seconds in each phase
         self.summary: str | None = None
+        self._pending: tuple[Any, int] | None = None  # the gather of the last sampled step, and that step
 
     @property
     def state_key(self) -> str:
@@ -94,18 +96,32 @@ class StragglerWatch(Callback):
         if not strategy.steps_in_lockstep:  # ranks at their own pace: compared once, at the end
             self.samples.append([split])
             return
-        ranks = strategy.all_gather(torch.tensor(split, dtype=torch.float64)).tolist()
+        self._collect(trainer)
+        # A gather as a MAX all-reduce of each rank's own slots (zeros elsewhere), started now and read at the next
+        # sampled step (or the end), so that no step waits for it.
+        values = [0.0] * (len(PHASES) * strategy.world_size)
+        values[len(PHASES) * strategy.global_rank:len(PHASES) * (strategy.global_rank + 1)] = split
+        self._pending = (strategy.max_across_ranks_async(values), trainer.batches_stepped)
+
+    def _collect(self, trainer: Trainer) -> None:
+        """Read the gather started at the last sampled step; rank 0 logs it."""
+        if self._pending is None:
+            return
+        (pending, step), self._pending = self._pending, None
+        flat = trainer.strategy.max_across_ranks_result(pending)
+        ranks = [flat[i:i + len(PHASES)] for i in range(0, len(flat), len(PHASES))]
         self.samples.append(ranks)
         if trainer.is_global_zero:
             values = {f"diagnosis/rank{rank}_{phase}_ms": seconds * 1e3
                       for rank, row in enumerate(ranks) for phase, seconds in zip(PHASES, row)}
             for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.batches_stepped)
+                logger.log_metrics(values, step=step)
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
         strategy = trainer.strategy
         if strategy.world_size < 2:
             return
+        self._collect(trainer)
         samples = self.samples
         if not strategy.steps_in_lockstep:  # each rank's own samples, compared by their means
             per_rank = strategy.all_gather_object([row[0] for row in samples])
