@@ -19,7 +19,7 @@ from diagnosis import cases
 from torchyard.trainer.cluster.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.diagnosis.markers import Marker, Position, live_frames, position_of
 from torchyard.trainer.diagnosis.stragglers import StragglerWatch, slowest_rank
-from torchyard.trainer.diagnosis.watchdog import format_report
+from torchyard.trainer.diagnosis.watchdog import HANG_GRACE_S, format_report
 from torchyard.trainer.errors import CollectiveMismatchError, CollectiveTimeoutError, StartupTimeoutError
 from torchyard.trainer.strategies import distributed
 
@@ -112,10 +112,9 @@ def test_a_stuck_rank_is_named_with_its_line_and_the_job_ends_soon_after_the_tim
     rank_lines = str(caught.value).splitlines()[1:3]
     assert re.match(rf"  rank 0 \(.*\): waits in {WAITS_IN[strategy]}; still for \d+ s", rank_lines[0])
     assert "rank 1 (" in rank_lines[1] and f"runs the user's code, in {function.__name__} at " in rank_lines[1]
-    if strategy == "ddp":
-        assert "rank 0 waited more than 5 s in the gradient all-reduce in backward (DDPStrategy.backward" in str(
-            caught.value)
-    slack = 40 if strategy == "ps" else 6  # ps: a server leaves only at the launcher's SIGKILL (30 s after SIGTERM)
+    # gloo raises at the timeout (the watchdog ends a rank HANG_GRACE_S later when a busy machine delays that); ps: a
+    # server still in its graceful RPC shutdown leaves `timeout` after the launcher's SIGTERM.
+    slack = HANG_GRACE_S + (TIMEOUT + 5 if strategy == "ps" else 3)
     assert elapsed < TIMEOUT + slack, f"the job took {elapsed:.0f} s to end after rank 1 got stuck"
 
 

@@ -26,8 +26,9 @@ from torchyard.trainer.diagnosis.markers import (
 )
 
 #: A rank that waits in a collective this long past `timeout` without an error (a collective that never raises on
-#: its own, an RPC) is ended by its watchdog, with the report.
-HANG_GRACE_S = 3.0
+#: its own, an RPC; or gloo's own timeout, late on a machine too busy to run it) is ended by its watchdog, with the
+#: same report.
+HANG_GRACE_S = 5.0
 #: A stuck rank's whole stack is printed with the report where this environment variable is 1.
 STACKS_VARIABLE = "TORCHYARD_DIAGNOSIS_STACKS"
 
