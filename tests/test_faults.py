@@ -59,7 +59,10 @@ def run_folder(root: Path) -> Path:
 
 def metrics_rows(root: Path) -> list[dict[str, str]]:
     with open(run_folder(root) / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    # The ranks' time split (diagnosis/*, trainer/diagnosis/stragglers.py) is timing: it differs from run to run.
+    kept = [{key: value for key, value in row.items() if not key.startswith("diagnosis/")} for row in rows]
+    return [row for row in kept if any(value for key, value in row.items() if key != "step")]
 
 
 def saved_step(path: Path) -> int:
