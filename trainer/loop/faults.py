@@ -100,8 +100,9 @@ class StepGuard:
         if signum == signal.SIGTERM and strategy.stuck_seconds() >= strategy.timeout / 2:
             # Stuck for half the timeout (its watchdog says so): this rank would not reach the step boundary where
             # the flag acts, and the job is failing (the launcher stops the ranks when one's collective timed
-            # out). Leave now rather than at the launcher's SIGKILL.
-            raise Terminated(SIGTERM_EXIT_CODE)
+            # out). Leave now rather than at the launcher's SIGKILL, as a failure (not Terminated: nothing was
+            # saved, and a strategy must not wait at teardown for ranks that are gone).
+            raise SystemExit(SIGTERM_EXIT_CODE)
         if signum == signal.SIGINT and self._second_sigint_stops:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
