@@ -171,8 +171,9 @@ def worker(rank: int, ports: list[int], args: argparse.Namespace, out: str) -> N
     times: dict[str, list[tuple[float, float]]] = {"hand": [], "trainer": [], "no_diagnosis": []}
     names = ["hand", "trainer"] + (["no_diagnosis"] if args.compare_diagnosis else [])
     for round_index in range(args.rounds):
-        # Alternate who goes first, so a warm cache or a load spike favours neither.
-        order = names if round_index % 2 == 0 else names[::-1]
+        # Rotate who goes first (and second, with three), so a warm cache or a load spike favours none.
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
         for name in order:
             if name == "hand":
                 times["hand"] += hand_written(rank, ports[1 + round_index], data, args)
