@@ -1,6 +1,7 @@
 """Trainer(strategy="ddp") against a hand-written torch DDP loop: 2 CPU processes (gloo), same work.
 
     python benchmarks/ddp.py [--steps 100] [--rounds 8] [--hidden 512] [--batch 64] [--lean] [--accelerator cuda]
+                             [--compare-diagnosis]
 
 The Trainer runs on its defaults (progress bar, CSV logger every 50 steps with `self.log("loss", prog_bar=True)`
 every step, ModelCheckpoint, the SIGTERM/NaN agreement between ranks); the hand-written loop writes its loss to a
@@ -11,6 +12,9 @@ next (data loading, forward, backward, all-reduce, step and, for the Trainer, it
 callbacks). Prints the median time per step of each, their ratio (target <= 1.02), and the scaling
 efficiency: the median step time of one process (Trainer, strategy="single", same per-process batch)
 divided by the 2-process Trainer's (1.0 = perfect weak scaling).
+
+`--compare-diagnosis` also runs the Trainer with diagnosis='off' (no watchdog, no straggler sampling) in the same
+rounds and prints the ratio of the default ('on') to it: what watching the ranks costs a step (target <= 1.01).
 
 `--accelerator cuda` (two GPUs): one process per GPU over nccl; the hand-written loop is the usual GPU one
 (pinned loader, `.cuda(non_blocking=True)`, DDP with device_ids). The host runs ahead of its GPU there, so a
@@ -143,13 +147,15 @@ def hand_written(rank: int, port: int, data: TensorDataset, args: argparse.Names
     return run_times(stamps, args)
 
 
-def with_trainer(data: TensorDataset, args: argparse.Namespace, strategy: str, root: str) -> list[tuple[float, float]]:
+def with_trainer(data: TensorDataset, args: argparse.Namespace, strategy: str, root: str,
+                 diagnosis: str = "on") -> list[tuple[float, float]]:
     clock = StepClock(args)
     torch.manual_seed(0)
     lean = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False} if args.lean else {}
     trainer = Trainer(strategy=strategy, devices=2 if strategy == "ddp" else 1, accelerator=args.accelerator,
                       max_steps=args.steps + WARMUP + 1, enable_model_summary=False, num_sanity_val_steps=0,
-                      log_every_n_steps=LOG_EVERY, default_root_dir=root, callbacks=[clock], **lean)
+                      log_every_n_steps=LOG_EVERY, default_root_dir=root, callbacks=[clock], diagnosis=diagnosis,
+                      **lean)
     trainer.fit(Classifier(args.hidden), DataLoader(data, batch_size=args.batch, shuffle=True))
     return run_times(clock.stamps, args)
 
@@ -162,15 +168,18 @@ def worker(rank: int, ports: list[int], args: argparse.Namespace, out: str) -> N
     if args.accelerator == "cuda":
         torch.cuda.set_device(rank)  # nccl's collectives of the hand-written loop run on the current device
     data = make_data(2 * args.batch * (args.steps + WARMUP + 2))
-    times: dict[str, list[tuple[float, float]]] = {"hand": [], "trainer": []}
+    times: dict[str, list[tuple[float, float]]] = {"hand": [], "trainer": [], "no_diagnosis": []}
+    names = ["hand", "trainer"] + (["no_diagnosis"] if args.compare_diagnosis else [])
     for round_index in range(args.rounds):
-        # Alternate who goes first, so a warm cache or a load spike favours neither.
-        order = ["hand", "trainer"] if round_index % 2 == 0 else ["trainer", "hand"]
+        # Rotate who goes first (and second, with three), so a warm cache or a load spike favours none.
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
         for name in order:
             if name == "hand":
                 times["hand"] += hand_written(rank, ports[1 + round_index], data, args)
             else:
-                times["trainer"] += with_trainer(data, args, "ddp", tempfile.mkdtemp())
+                diagnosis = "off" if name == "no_diagnosis" else "on"
+                times[name] += with_trainer(data, args, "ddp", tempfile.mkdtemp(), diagnosis)
     if rank == 0:
         torch.save(times, out)
 
@@ -184,6 +193,8 @@ def main() -> None:
     parser.add_argument("--lean", action="store_true", help="the Trainer without bar, logger and checkpoints")
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one process per GPU over nccl (needs two GPUs)")
+    parser.add_argument("--compare-diagnosis", action="store_true",
+                        help="also run the Trainer with diagnosis='off' in the same rounds: what watching ranks costs")
     args = parser.parse_args()
     if args.accelerator == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit(f"ddp.py --accelerator cuda needs two GPUs; this machine has {torch.cuda.device_count()}.")
@@ -208,6 +219,12 @@ def main() -> None:
     print(f"Trainer one process (same batch):    {one:10.3f}    {one_cpu:10.3f}")
     print(f"ratio Trainer / hand-written:        {ours / hand:10.3f}    {ours_cpu / hand_cpu:10.3f}   (target <= 1.02)")
     print(f"scaling efficiency 1 -> 2 processes: {one / ours:10.3f}                (wall; 1.0 = perfect weak scaling)")
+    if args.compare_diagnosis:
+        off, off_cpu = (statistics.median(w for w, _ in times["no_diagnosis"]) * 1e3,
+                        statistics.median(c for _, c in times["no_diagnosis"]) * 1e3)
+        print(f"Trainer, diagnosis='off':            {off:10.3f}    {off_cpu:10.3f}")
+        print(f"ratio diagnosis 'on' / 'off':        {ours / off:10.3f}    {ours_cpu / off_cpu:10.3f}"
+              "   (target <= 1.01)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from faults import fault_script
-from faults.fault_script import KillAt, Net, SampleLog, fit, starts
+from faults.fault_script import KillAt, SampleLog, fit, starts
 from processes import reaped
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -39,7 +39,6 @@ from torchyard.trainer.loop import faults
 from torchyard.trainer.loop.faults import (
     SIGINT_EXIT_CODE,
     SIGTERM_EXIT_CODE,
-    CollectiveTimeoutError,
     NonFiniteLossError,
 )
 from torchyard.trainer.strategies import base as strategies_base
@@ -62,7 +61,10 @@ def run_folder(root: Path) -> Path:
 
 def metrics_rows(root: Path) -> list[dict[str, str]]:
     with open(run_folder(root) / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    # The ranks' time split (diagnosis/*, trainer/diagnosis/stragglers.py) is timing: it differs from run to run.
+    kept = [{key: value for key, value in row.items() if not key.startswith("diagnosis/")} for row in rows]
+    return [row for row in kept if any(value for key, value in row.items() if key != "step")]
 
 
 def saved_step(path: Path) -> int:
@@ -465,34 +467,4 @@ def test_sigterm_or_ctrl_c_to_a_ddp_job_saves_on_every_rank_and_the_next_start_r
     assert metrics_rows(tmp_path) == ddp_run[1]
 
 
-class StuckRank(Net):
-    """Rank 1 stops answering before its third step's all-reduce (a hung data read, a deadlock)."""
-
-    def __init__(self, marker: str) -> None:
-        super().__init__()
-        self.marker = marker
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx == 2:
-            Path(self.marker).write_text(repr(time.time()))
-            # With the trainer's handler, SIGTERM only flags a save for a step boundary this rank never
-            # reaches, so the agent would SIGKILL it after its fixed 30 s; the test measures the timeout only.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(600)
-        return super().training_step(batch, batch_idx)
-
-
-@pytest.mark.timeout(180)
-def test_a_stuck_rank_becomes_an_error_naming_the_collective_within_the_timeout(tmp_path):
-    marker = tmp_path / "stuck_at"
-    trainer = Trainer(strategy="ddp", devices=2, max_epochs=1, timeout=6, logger=False, enable_checkpointing=False,
-                      **QUIET)
-    with pytest.raises(CollectiveTimeoutError) as caught:
-        trainer.fit(StuckRank(str(marker)), fault_script.loaders()[0])
-    elapsed = time.time() - float(marker.read_text())
-    message = str(caught.value)
-    assert message.startswith(
-        "rank 0 waited more than 6 s in the gradient all-reduce in backward (DDPStrategy.backward"
-    )
-    assert "\n" not in message
-    assert elapsed < 6 + 20, f"the job took {elapsed:.0f} s to fail after rank 1 got stuck"
+# A rank stuck before a collective: tests/test_diagnosis.py (the report naming it and its line, on every strategy).

@@ -21,14 +21,14 @@ LAYERS: dict[str, int] = {
     #    packages
     f"{T}.errors": 0, **{f"{T}.{folder}": 0 for folder in (
         "checkpointing", "cli", "cluster", "data", "evaluation", "launch", "logs", "loop", "scaling", "strategies.ps",
-        "strategies.pipeline", "compile")},
+        "strategies.pipeline", "compile", "diagnosis")},
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
     #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, where
     #    the running script called us (under its main guard or not), and glibc's malloc settings
     f"{T}.cluster.environment": 1, f"{T}.loop.rng": 1, f"{T}.logs.runs": 1, f"{T}.loop.faults": 1,
     f"{T}.checkpointing.files": 1, f"{T}.data.batches": 1, f"{C}.base": 1, f"{T}.data.combined": 1,
     f"{T}.checkpointing.hparams": 1, f"{T}.cluster.script_guard": 1, f"{T}.data.samplers": 1,
-    f"{T}.loop.host_memory": 1,
+    f"{T}.loop.host_memory": 1, f"{T}.diagnosis.markers": 1,
     #    and the sample ledger over the samplers' deals
     f"{T}.data.ledger": 2,
     #    torch.compile's option (no torch import: the schema reads it) and the record of what compiling cost
@@ -37,7 +37,8 @@ LAYERS: dict[str, int] = {
     #    workers of a spawned job fork from (it asks where the script called us); the checks every node of a
     #    multi-node job runs before the nodes meet; the evaluator's record of a run
     f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
-    f"{T}.logs.evaluations": 3,
+    f"{T}.logs.evaluations": 3, f"{T}.diagnosis.watchdog": 2, f"{T}.diagnosis.stragglers": 2,
+    f"{T}.diagnosis.agreement": 2, f"{T}.diagnosis.arrival": 1,
     #    torch.compile applied to a module's regions (the strategies call it after wrapping the module)
     f"{T}.compile.regions": 2,
     # 3: the option schema: every Trainer option and its checks
@@ -126,14 +127,15 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
 # Folders importing only downwards in it: cluster and data know no loop, strategy or launcher; strategies know no
 # loop or launcher (a strategy never touches the loop); nothing but the command line and scaling imports cli.
 FOLDER_IMPORTS: dict[str, set[str]] = {
-    "root": {"callbacks", "checkpointing", "cli", "compile", "data", "evaluation", "launch", "logs", "loop",
-             "strategies"},
+    "root": {"callbacks", "checkpointing", "cli", "compile", "data", "diagnosis", "evaluation", "launch", "logs",
+             "loop", "strategies"},
     "compile": {"root"},
     "cluster": {"root"},
     "data": {"root", "cluster"},
     "logs": {"root", "data"},
     "checkpointing": {"root", "data", "logs", "loop"},  # data: the sample ledger a checkpoint keeps
-    "strategies": {"root", "checkpointing", "cluster", "compile", "data", "logs"},
+    "strategies": {"root", "checkpointing", "cluster", "compile", "data", "diagnosis", "logs"},
+    "diagnosis": {"root", "callbacks"},
     "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
     "loop": {"root", "callbacks", "data", "evaluation", "strategies"},
     "callbacks": {"root", "checkpointing", "data", "logs"},

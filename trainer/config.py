@@ -35,6 +35,7 @@ UNSUPPORTED_PRECISIONS = {
 CLIP_ALGORITHMS = ("norm", "value")  # gradient clipping by global L2 norm, or element-wise
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE_MODES = ("error", "skip", "ignore")
+DIAGNOSIS_MODES = ("on", "off", "debug")
 LAUNCHERS = ("auto", "ray")
 _RAY_ADDRESS = re.compile(r"^[^\s:/]+:\d+$")  # the head node's GCS, as `ray start --head` prints it
 PROFILERS = ("simple", "advanced", "pytorch")
@@ -121,6 +122,13 @@ class TrainerConfig:
     lr_scaling: str = _opt("none", f"Scale learning rates by the data-parallel size: {', '.join(LR_SCALINGS)}.")
     lr_warmup_steps: int = _opt(0, "Steps of linear warm-up from the base to the scaled learning rate.")
     timeout: float = _opt(1800.0, "Seconds a collective may wait before the job fails instead of hanging.")
+    diagnosis: str = _opt(
+        "on",
+        "Watch the ranks of a multi-process job: 'on' names a stuck rank and its line at a timeout and reports a "
+        "rank persistently slower than the others; 'debug' also stops at the first collective whose operation, "
+        "shapes or call site differ between ranks, the user's own included (slower); 'off' neither. "
+        "docs/diagnosis.md.",
+    )
     max_restarts: int = _opt(
         0, "Times the elastic agent restarts a failed multi-process job (resuming from the last checkpoint)."
     )
@@ -409,6 +417,8 @@ def _validate_counts(config: TrainerConfig) -> None:
 def _validate_choices(config: TrainerConfig) -> None:
     _need(config.nonfinite_loss in NONFINITE_MODES,
           f"nonfinite_loss={config.nonfinite_loss!r} is not known; use one of {', '.join(NONFINITE_MODES)}.")
+    _need(config.diagnosis in DIAGNOSIS_MODES,
+          f"diagnosis={config.diagnosis!r} is not known; use one of {', '.join(DIAGNOSIS_MODES)}.")
     config.precision = precision_name(config.precision)
     _need(config.gradient_clip_algorithm in CLIP_ALGORITHMS,
           f"gradient_clip_algorithm={config.gradient_clip_algorithm!r}; use 'norm' or 'value'.")

@@ -33,6 +33,14 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete within Trainer(timeout=...): another rank is stuck or gone."""
 
 
+class StartupTimeoutError(RuntimeError):
+    """Some ranks of the job did not arrive at its rendezvous within Trainer(timeout=...)."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks called different collectives (operation, shapes) at the same point (diagnosis='debug')."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """A ' (did you mean ...?)' suffix naming the closest choices, or '' when none is close."""
     matches = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)

@@ -19,6 +19,7 @@ from torchyard.trainer.compile.regions import unwrap_compiled
 from torchyard.trainer.config import TrainerConfig
 from torchyard.trainer.data.loaders import STAGE_LOADERS, own_loader
 from torchyard.trainer.datamodule import DataModule
+from torchyard.trainer.diagnosis.stragglers import StragglerWatch
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluation.evaluator import EvaluatorProcess
 from torchyard.trainer.logs.loggers import CSVLogger, Logger, TensorBoardLogger, share_run_folders
@@ -105,6 +106,9 @@ def with_default_callbacks(config: TrainerConfig, callbacks: list[Callback]) -> 
     profiler = build_profiler(config.profiler)
     if profiler is not None and not any(isinstance(c, Profiler) for c in callbacks):
         callbacks.append(profiler)
+    several = isinstance(config.devices, int) and config.devices * config.num_nodes > 1
+    if several and config.diagnosis != "off" and not any(issubclass(k, StragglerWatch) for k in kinds):
+        callbacks.append(StragglerWatch(every_n_steps=config.log_every_n_steps))  # names a persistently slow rank
     _check_state_keys(callbacks)
     return _checkpointing_last(callbacks)
 

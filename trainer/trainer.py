@@ -82,6 +82,7 @@ class Trainer(TrainerProperties):
             self.config.accelerator, self.config.devices, self.config.num_nodes, self.config.precision
         )
         self.strategy.timeout = float(self.config.timeout)
+        self.strategy.diagnosis = self.config.diagnosis
         check_sync_batchnorm(self.config, self.strategy.job_size, resolve_accelerator(self.config.accelerator))
         self.loggers: list[Logger] = build_loggers(self.config, self.config.logger)
         given = callback_list(callbacks, "callbacks must be")
@@ -242,6 +243,7 @@ class Trainer(TrainerProperties):
         module._trainer = self
         if datamodule is not None:
             datamodule.trainer = self
+        self.strategy.follow_progress(self.progress)  # a stuck job's report names the step (trainer/diagnosis)
         last_logged_step = self.metrics.rows.last_logged_step  # a later fit goes on at the same step
         self.metrics = MetricCollector(self.strategy.reduce, self.loggers, self.progress,
                                        self.config.log_every_n_steps, writes=self.is_global_zero)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -213,6 +214,8 @@ def run_worker(payload: bytes, workdir: str, threads: int, launch_rng: dict[str,
         if threads:
             torch.set_num_threads(threads)
         trainer, stage, run_args = pickle.loads(payload)
+        # A collective that hangs without raising ends this worker from its watchdog thread, with the report.
+        trainer.strategy.on_hang = functools.partial(_end_hung_worker, Path(workdir), environment)
         if launch_rng is not None:
             set_rng_state(launch_rng)
         outcome = trainer._run(stage, *run_args, hand_back=True)
@@ -393,6 +396,13 @@ def _record_failure(workdir: Path, environment: ClusterEnvironment, err: BaseExc
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(record))
     os.replace(tmp, path)
+
+
+def _end_hung_worker(workdir: Path, environment: ClusterEnvironment, report: str) -> None:
+    """Record a hung collective's report (trainer/diagnosis/watchdog.py) as this worker's failure, and exit: its
+    training thread is stuck in the collective, so this runs on the watchdog's."""
+    _record_failure(workdir, environment, faults.CollectiveTimeoutError(report))
+    os._exit(1)
 
 
 def _job_failure(err: ChildFailedError, workdir: Path, world_size: int, shown_rank: int) -> tuple[BaseException, bool]:

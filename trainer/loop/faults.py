@@ -101,6 +101,13 @@ class StepGuard:
         if not self.signalled:
             self.received = signal.Signals(signum)
         self.signalled = True
+        strategy = self.trainer.strategy
+        if signum == signal.SIGTERM and strategy.stuck_seconds() >= strategy.timeout / 2:
+            # Stuck for half the timeout (its watchdog says so): this rank would not reach the step boundary where
+            # the flag acts, and the job is failing (the launcher stops the ranks when one's collective timed
+            # out). Leave now rather than at the launcher's SIGKILL, as a failure (not Terminated: nothing was
+            # saved, and a strategy must not wait at teardown for ranks that are gone).
+            raise SystemExit(SIGTERM_EXIT_CODE)
         if signum == signal.SIGINT and self._second_sigint_stops:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -351,7 +358,7 @@ def _last_checkpoint_path(trainer: Trainer) -> Path:
 
 # --------------------------------------------------------------------------- collective timeouts
 
-_TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout caused pair closure")
+_TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout caused pair closure", "RPC ran for more than set timeout")
 _OPERATIONS = {
     "backward": "the gradient all-reduce in backward",
     "forward_backward": "the training step (forward, backward and the gradient all-reduce)",
@@ -362,6 +369,7 @@ _OPERATIONS = {
     "broadcast": "a broadcast",
     "all_gather_object": "an all-gather",
     "save_checkpoint": "saving a checkpoint",
+    "optimizer_step": "the push of gradients to the parameter servers",
     "setup_module": "the model's initial weight broadcast",
 }
 
@@ -375,14 +383,19 @@ def is_collective_timeout(error: BaseException) -> bool:
 
 
 def raise_if_collective_timeout(error: BaseException, strategy: Strategy) -> None:
-    """Re-raise a collective timeout as one line naming the operation that waited; otherwise do nothing."""
+    """Re-raise a collective timeout as the report of where every rank is (trainer/diagnosis), or one line naming
+    the operation that waited; otherwise do nothing."""
     if not is_collective_timeout(error) or isinstance(error, CollectiveTimeoutError):
         return
+    waited = (f"rank {strategy.global_rank} waited more than {strategy.timeout:g} s in "
+              f"{_waiting_call(error, strategy)}")
+    report = strategy.hang_report(error)  # where every rank is, from the ranks' watchdogs (trainer/diagnosis)
+    if report is None:
+        raise CollectiveTimeoutError(
+            f"{waited}; another rank is stuck or died before joining it (see its output). Raise "
+            "Trainer(timeout=...) if a step legitimately takes longer.") from error
     raise CollectiveTimeoutError(
-        f"rank {strategy.global_rank} waited more than {strategy.timeout:g} s in {_waiting_call(error, strategy)}; "
-        "another rank is stuck or died before joining it (see its output). Raise Trainer(timeout=...) if a "
-        "step legitimately takes longer."
-    ) from error
+        f"{report}\n  ({waited}; raise Trainer(timeout=...) if a step legitimately takes longer.)") from error
 
 
 def _waiting_call(error: BaseException, strategy: Strategy) -> str:

@@ -89,6 +89,9 @@ class Strategy(ABC):
         self.precision = Precision()
         self.environment = ClusterEnvironment(name="local")
         self.timeout = 1800.0  # seconds a collective may wait (the Trainer sets its `timeout` option here)
+        self.diagnosis = "on"  # the Trainer's `diagnosis` option: how closely the ranks are watched (trainer/diagnosis)
+        #: Ends this process, given the report, when a collective hangs without raising (None: print, exit 1).
+        self.on_hang: Callable[[str], None] | None = None
         self.root_device = torch.device("cpu")
         # Set by the Trainer where a launcher (torchrun, srun, mpirun) started this process and the script that
         # called fit goes on in it: the group stays up for the script's own collectives, as in Lightning, until exit.
@@ -232,6 +235,18 @@ class Strategy(ABC):
     def communication_seconds(self) -> float:
         """Seconds this rank has waited for gradient communication since set-up, where the strategy times it."""
         return 0.0  # one process: no communication
+
+    def follow_progress(self, progress: Any) -> None:
+        """Take the loop's Progress, whose step the reports of a stuck job name."""
+        return None  # one process: nobody to wait for, nothing to report
+
+    def stuck_seconds(self) -> float:
+        """How long this rank has not advanced (no step, no collective), where a watchdog watches it."""
+        return 0.0
+
+    def hang_report(self, error: BaseException) -> str | None:
+        """For a collective that timed out with `error`: where every rank is and which are behind (None: unknown)."""
+        return None
 
     # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from torchyard.trainer.cluster import node_checks
 from torchyard.trainer.cluster.environment import ClusterEnvironment
+from torchyard.trainer.diagnosis.arrival import wait_for_ranks
 from torchyard.trainer.errors import MisconfigurationError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -52,6 +53,9 @@ def init_process_group(environment: ClusterEnvironment, backend: str, timeout_s:
     counter = f"trainer/attempt_{environment.restart_count}/groups"
     generation = (store.add(counter, 1) - 1) // environment.world_size
     prefixed = dist.PrefixStore(f"trainer/attempt_{environment.restart_count}/group_{generation}/", store)
+    # The ranks that arrived name the ones that did not, past the timeout (torch's own wait says only "timeout").
+    wait_for_ranks(prefixed, environment.global_rank, environment.world_size, timeout_s,
+                   f"{environment.master_addr}:{environment.master_port}", environment.name)
     dist.init_process_group(backend=backend, store=prefixed, rank=environment.global_rank,
                             world_size=environment.world_size, timeout=timeout)
 
@@ -93,6 +97,12 @@ def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta, back
         node_checks.compare_nodes(store, environment, backend, timeout.total_seconds())
     _STORE = (key, store)
     return store
+
+
+def diagnosis_store(environment: ClusterEnvironment, timeout_s: float, backend: str) -> dist.Store:
+    """Where this attempt's ranks publish their positions when stuck (trainer/diagnosis/watchdog.py)."""
+    store = job_store(environment, datetime.timedelta(seconds=timeout_s), backend)
+    return dist.PrefixStore(f"trainer/attempt_{environment.restart_count}/diagnosis/", store)
 
 
 def destroy_process_group() -> None:

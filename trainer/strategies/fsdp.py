@@ -82,6 +82,8 @@ class FSDPStrategy(ProcessGroupStrategy):
 
     name = "fsdp"
 
+    backward_collective = "reduce_scatter"  # FSDP reduces each unit's gradients to their shards
+
     def __init__(
         self,
         backend: str | None = None,

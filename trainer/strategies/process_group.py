@@ -18,13 +18,17 @@ A strategy on a process group subclasses this and adds only what is its own, for
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment, resolve_environment
+from torchyard.trainer.diagnosis.agreement import CollectiveAgreement, checking_user_collectives
+from torchyard.trainer.diagnosis.markers import Marker
+from torchyard.trainer.diagnosis.watchdog import Watchdog
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import distributed
 from torchyard.trainer.strategies.base import Strategy
@@ -37,11 +41,19 @@ class ProcessGroupStrategy(Strategy):
     should not decide ('torchrun', 'slurm', 'mpi', 'local' or a ClusterEnvironment); None detects it.
     """
 
+    #: The gradient collective a backward waits in, as a stuck job's report names it.
+    backward_collective: ClassVar[str] = "all_reduce"
+
     def __init__(self, backend: str | None = None, environment: str | ClusterEnvironment | None = None) -> None:
         super().__init__()
         self.backend = backend
         self.environment_choice = environment
         self._owns_group = False  # this strategy created the default group (not the user's script)
+        # Where this rank is (the framework collective it waits in), and the thread that reports a stuck job from
+        # it: trainer/diagnosis/.
+        self.marker = Marker()
+        self._watchdog: Watchdog | None = None
+        self._user_checks = contextlib.ExitStack()  # diagnosis='debug': torch.distributed's functions, checked
 
     # ------------------------------------------------------------------ the world
     @override
@@ -65,6 +77,19 @@ class ProcessGroupStrategy(Strategy):
         # A group the user's script created itself is theirs to destroy.
         self._owns_group = not dist.is_initialized()
         distributed.init_process_group(environment, self.backend, self.timeout)
+        # Not on a group the user's script made itself, unless its store is the launcher's (else it is the script's).
+        if self.diagnosis != "off" and (self._owns_group or environment.use_agent_store):
+            self._start_watchdog(environment, self.global_rank, self.world_size)
+
+    def _start_watchdog(self, environment: ClusterEnvironment, rank: int, world_size: int) -> None:
+        """Watch this rank from a side thread (trainer/diagnosis/watchdog.py), publishing in the job's store."""
+        store = distributed.diagnosis_store(environment, self.timeout, self.backend)
+        self._watchdog = Watchdog(self.marker, store, rank, world_size, self.timeout, self.on_hang)
+        self._watchdog.start()
+        if self.diagnosis == "debug":  # every collective, the user's too, agreed on before it runs
+            agreement = CollectiveAgreement(self.marker, store, rank, world_size)
+            self.marker.agree = agreement.framework
+            self._user_checks.enter_context(checking_user_collectives(agreement))
 
     def _check_launch(self, environment: ClusterEnvironment) -> None:
         expected = self.devices * self.num_nodes
@@ -98,8 +123,28 @@ class ProcessGroupStrategy(Strategy):
         torch.cuda.set_device(self.root_device)
 
     @override
+    def follow_progress(self, progress: Any) -> None:
+        self.marker.progress = progress
+
+    @override
+    def stuck_seconds(self) -> float:
+        return 0.0 if self._watchdog is None else self._watchdog.still_seconds()
+
+    @override
+    def hang_report(self, error: BaseException) -> str | None:
+        if self._watchdog is None:
+            return None
+        return self._watchdog.report(self._watchdog.error_position(error))
+
+    @override
     def teardown(self) -> None:
         """Leave the process group this strategy created (at exit where the script keeps it), then the base's."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        self._user_checks.close()
+        self.marker.agree = None
+
         if self._owns_group:
             distributed.leave_process_group(keep=self.keeps_process_group)
         super().teardown()
@@ -111,8 +156,17 @@ class ProcessGroupStrategy(Strategy):
         return distributed.collective_device(self.backend, self.root_device)
 
     @override
+    def backward(self, loss: torch.Tensor) -> None:
+        self.marker.enter(self.backward_collective, "gradients")  # it runs inside backward
+        super().backward(loss)
+        self.marker.leave()
+
+    @override
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        return distributed.all_reduce(tensor.to(self.collective_device), op).to(tensor.device)
+        self.marker.enter("all_reduce", "logged values")
+        result = distributed.all_reduce(tensor.to(self.collective_device), op).to(tensor.device)
+        self.marker.leave()
+        return result
 
     @override
     def max_across_ranks_async(self, values: list[float]) -> Any:
@@ -120,23 +174,37 @@ class ProcessGroupStrategy(Strategy):
 
     @override
     def max_across_ranks_result(self, pending: Any) -> list[float]:
-        return distributed.max_across_ranks_result(pending)
+        self.marker.enter("all_reduce", "the ranks' SIGTERM and skipped-step flags")
+        result = distributed.max_across_ranks_result(pending)
+        self.marker.leave()
+        return result
 
     @override
     def barrier(self, name: str | None = None) -> None:
+        self.marker.enter("barrier", name or "a barrier")
         distributed.barrier(self.backend, self.root_device)
+        self.marker.leave()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return distributed.broadcast_object(obj, src)
+        self.marker.enter("broadcast", f"an object from rank {src}")
+        result = distributed.broadcast_object(obj, src)
+        self.marker.leave()
+        return result
 
     @override
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return distributed.all_gather_object(obj)
+        self.marker.enter("all_gather", "an object from every rank")
+        result = distributed.all_gather_object(obj)
+        self.marker.leave()
+        return result
 
     @override
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
         if sync_grads and not self.steps_in_lockstep:
             # A gather that carries gradients all-reduces them in backward: every rank must reach it together.
             return super().all_gather(tensor, sync_grads)  # which refuses it
-        return distributed.all_gather_tensor(tensor, self.collective_device, sync_grads)
+        self.marker.enter("all_gather", "a tensor from every rank")
+        result = distributed.all_gather_tensor(tensor, self.collective_device, sync_grads)
+        self.marker.leave()
+        return result

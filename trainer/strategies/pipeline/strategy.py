@@ -325,8 +325,10 @@ class PipelineStrategy(ProcessGroupStrategy):
         schedule = self._schedule(True, chunks, inputs)
         self._micro_batches = split_batch(batch, size, chunks) if self._last_here else []
         self._micro_losses, self._loss_weight = [], loss_scale / chunks
+        self.marker.enter("send/recv", "the stages' activations and gradients")  # the schedule's, inside it
         schedule.step(*(inputs if self._first_here else ()),
                       target=torch.arange(chunks) if self._last_here else None, return_outputs=False)
+        self.marker.leave()
         if self._last_here:
             loss = torch.stack(self._micro_losses[-chunks:]).mean().float()  # earlier calls were shape inference
         else:

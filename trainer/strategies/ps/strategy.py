@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import signal
 import sys
 import threading
@@ -171,6 +172,8 @@ class ParameterServerStrategy(ProcessGroupStrategy):
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"{session}/workers/", store),
                                     rank=self.global_rank, world_size=self.world_size, timeout=timeout)
             self._owns_group = True
+            if self.diagnosis != "off":
+                self._start_watchdog(environment, self.global_rank, self.world_size)  # the workers watch each other
 
     def _join_rpc(self, store: dist.Store, session: str, environment: ClusterEnvironment) -> None:
         # RPC meets at its own port (its rendezvous store cannot share the job's); rank 0 picks a free one.
@@ -202,7 +205,7 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         """On a server: answer the workers until every process of the job has finished, then leave."""
         if not self.is_server:
             return False
-        with _stop_signals_deferred() as received:
+        with _stop_signals_deferred(self.timeout) as received:
             try:
                 self._leave_rpc(graceful=True)  # a graceful shutdown keeps answering until all ranks reach it
             finally:
@@ -273,7 +276,9 @@ class ParameterServerStrategy(ProcessGroupStrategy):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self._client is not None:
+            self.marker.enter("pull", "the parameters from the servers")
             self._client.refresh()
+            self.marker.leave()
         return super().training_step(batch, batch_idx)
 
     @override
@@ -331,7 +336,9 @@ class ParameterServerStrategy(ProcessGroupStrategy):
     ) -> None:
         """Push the gradients (RemoteOptimizer.step); log how stale they were. (No optimizer that needs a closure
         gets here: check_optimizer refuses it.)"""
+        self.marker.enter("push", "the gradients to the servers")
         super().optimizer_step(optimizer, closure)
+        self.marker.leave()
         pushed = getattr(optimizer, "last_push", None)
         if pushed and self.module is not None:
             self.module.log("ps/staleness", float(pushed["staleness"]))
@@ -392,16 +399,25 @@ def _summary(reports: list[dict[str, int]], policy: str) -> str:
 
 
 @contextlib.contextmanager
-def _stop_signals_deferred() -> Iterator[list[int]]:
+def _stop_signals_deferred(timeout_s: float) -> Iterator[list[int]]:
     """While a server answers, SIGTERM, SIGINT (Ctrl-C) and SIGHUP only mark that they came (the list holds their
     numbers): the workers, told too, save a checkpoint, which reads the parameters from the servers, before
-    everyone leaves."""
+    everyone leaves. A server still answering `timeout_s` after the first signal exits: a worker that failed (the
+    reason the launcher stops the job) never joins the graceful shutdown it waits in."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
         yield received
         return
+
+    def defer(signum: int, frame: Any) -> None:
+        if not received:
+            timer = threading.Timer(timeout_s, os._exit, args=(128 + signum,))
+            timer.daemon = True
+            timer.start()
+        received.append(signum)
+
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in signals}
+    previous = {sig: signal.signal(sig, defer) for sig in signals}
     try:
         yield received
     finally:

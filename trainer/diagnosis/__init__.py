@@ -1,0 +1,2 @@
+"""Watching the ranks of a job: where each one is (markers), what a stuck job reports (watchdog), and which rank
+is slower than the others (stragglers). docs/diagnosis.md shows what each case prints."""
