@@ -43,8 +43,9 @@ LAYERS: dict[str, int] = {
     f"{T}.compile.regions": 2,
     # 3: the option schema: every Trainer option and its checks
     f"{T}.config": 3,
-    # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table
-    f"{T}.optim": 4, f"{T}.precision": 4, f"{T}.cli.options_table": 4,
+    # 4: optimizers/schedulers and precision, which read their value sets from the schema; the README options table;
+    #    plots of finished runs (matplotlib is imported when a plot is drawn)
+    f"{T}.optim": 4, f"{T}.precision": 4, f"{T}.cli.options_table": 4, f"{T}.logs.plot": 4,
     # 5: the user's base classes
     f"{T}.module": 5, f"{T}.datamodule": 6,
     # 6: the loaders built from the user's
@@ -80,8 +81,8 @@ LAYERS: dict[str, int] = {
     f"{T}.preflight": 17, f"{T}.launch.elastic": 17, f"{T}.launch.ray_actors": 17, f"{T}.trainer_properties": 17,
     # 18: the Trainer
     f"{T}.trainer": 18,
-    # 19: the package's public names (lazily), recipe class checks, plots of finished runs
-    T: 19, f"{T}.cli.signatures": 19, f"{T}.logs.plot": 19,
+    # 19: the package's public names (lazily), recipe class checks
+    T: 19, f"{T}.cli.signatures": 19,
     # 20-24: the YAML recipes and the command line on top of them
     f"{T}.cli.recipe": 20, f"{T}.launch.slurm_submit": 21, f"{T}.launch.ssh_hosts": 21, f"{T}.cli.main": 23,
     f"{T}.__main__": 24,

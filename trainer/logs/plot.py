@@ -6,6 +6,7 @@ import csv
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.logs.evaluations import EVALUATOR_METRICS_FILE
@@ -86,19 +87,25 @@ def output_file(output: str | Path, formats: Sequence[str]) -> Path:
     return path
 
 
-def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
-    """Draw every metric of every run to an image at `output` (a PNG unless its suffix says otherwise);
-    returns the path written."""
+def pyplot(needed_by: str) -> Any:
+    """matplotlib.pyplot on its file-only backend, or a one-line error naming what `needed_by` needs installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # files only: never needs a display
         import matplotlib.pyplot as plt
-        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
         raise MisconfigurationError(
-            "trainer plot needs matplotlib: pip install 'torchyard[plot]' (or pip install matplotlib)."
+            f"{needed_by} needs matplotlib: pip install 'torchyard[plot]' (or pip install matplotlib)."
         ) from err
+    return plt
+
+
+def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
+    """Draw every metric of every run to an image at `output` (a PNG unless its suffix says otherwise);
+    returns the path written."""
+    plt = pyplot("trainer plot")
+    from matplotlib.backend_bases import FigureCanvasBase
 
     output = output_file(output, list(FigureCanvasBase.get_supported_filetypes()))
     runs = {str(run_dir): read_run(find_metrics_file(run_dir)) for run_dir in run_dirs}

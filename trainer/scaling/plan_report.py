@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.logs.plot import pyplot
 from torchyard.trainer.logs.runs import atomic_write_text
 from torchyard.trainer.scaling.fake_step import StepMemory
 
@@ -146,13 +147,7 @@ def row_json(row: PlanRow) -> dict[str, Any]:
 
 def draw_plan(rows: list[PlanRow], output: Path, header: str) -> Path:
     """Two panels: per-rank memory by part (one bar per layout and size), samples/s against ranks per layout."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never needs a display
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise MisconfigurationError("the PNG needs matplotlib: pip install 'torchyard[plot]'") from err
+    plt = pyplot("the PNG")
     figure, (memory, speed) = plt.subplots(1, 2, figsize=(15, 5), dpi=80)
     labels = [row.label.replace(" ", "\n", 1).replace(":", "\n") for row in rows]
     bottom = [0.0] * len(rows)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.logs.plot import pyplot
 from torchyard.trainer.logs.runs import atomic_write_text
 
 MB = "MiB"
@@ -182,13 +183,7 @@ def write_study(rows: list[Row], root: Path, console: Console, header: str, by_t
 
 def draw_study(rows: list[Row], output: Path, header: str) -> Path:
     """Three panels: samples/s with speed-up, the step split (compute / communication / data wait), peak memory."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never needs a display
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise MisconfigurationError("the PNG needs matplotlib: pip install 'torchyard[plot]'") from err
+    plt = pyplot("the PNG")
     done = [row for row in rows if row.error is None]
     labels = [row.label.replace(" ", "\n", 1).replace(":", "\n") for row in done]  # narrow enough not to overlap
     reached = any(row.target_s is not None for row in done)
