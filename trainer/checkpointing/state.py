@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchyard.trainer.checkpointing.files import CHECKPOINT_VERSION, unloadable, weights_mismatch
+from torchyard.trainer.checkpointing.files import CHECKPOINT_VERSION, class_path, unloadable, weights_mismatch
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.logs.runs import run_folder
 from torchyard.trainer.loop.rng import rng_state, set_rng_state
@@ -34,6 +34,7 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, 
         # Lightning's top-level counters, for ported on_load_checkpoint code and tools (loops holds the rest).
         "epoch": trainer.current_epoch, "global_step": trainer.global_step,
         "state_dict": trainer.strategy.checkpoint_model_state(),
+        "module_class": class_path(type(trainer.module)),  # named when another model is given the checkpoint
         **saved_hparams(trainer),
     }
     if not weights_only:

@@ -51,8 +51,9 @@ class Logger:
         return self._version is not None
 
     @property
-    def log_dir(self) -> Path:
-        return self.save_dir / self.name / version_folder(self.version)
+    def log_dir(self) -> str:
+        """`<save_dir>/<name>/version_<n>`, a str (as Lightning's, and as trainer.log_dir)."""
+        return str(self.save_dir / self.name / version_folder(self.version))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
@@ -134,7 +135,7 @@ class CSVLogger(Logger):
         """metrics.csv; metrics_<stage>.csv for an evaluation logged into the run it evaluates (its training rows
         stay as they were, and `trainer plot` reads the training curves alone)."""
         stage = getattr(self, "evaluation_stage", None)  # a subclass may not call Logger.__init__
-        return self.log_dir / (f"metrics_{stage}.csv" if stage else "metrics.csv")
+        return Path(self.log_dir) / (f"metrics_{stage}.csv" if stage else "metrics.csv")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": step, **self.prefixed(metrics)}
@@ -145,8 +146,8 @@ class CSVLogger(Logger):
             self.save()
 
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(self.log_dir) / "hparams.yaml", hparams_yaml(params))
         if metrics:
             self.log_metrics(metrics, step=0)
 
@@ -158,7 +159,7 @@ class CSVLogger(Logger):
     def save(self) -> None:
         if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
             return  # nothing new; a run that logged nothing (it failed before starting) leaves no folder behind
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         columns = list(self._columns)
         for row in self.rows[self._written:]:
             columns.extend(k for k in row if k not in columns)
@@ -358,9 +359,9 @@ class MLFlowLogger(Logger):
         self._version = value
 
     @property
-    def log_dir(self) -> Path:
+    def log_dir(self) -> str:
         """Where this run's local files go (its checkpoints): <save_dir>/<experiment id>/<run id>."""
-        return self.save_dir / str(self.experiment_id) / self.run_id
+        return str(self.save_dir / str(self.experiment_id) / self.run_id)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
