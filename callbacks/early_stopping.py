@@ -112,7 +112,8 @@ class EarlyStopping(Callback):
                        f"logged: {sorted(metrics)}. "
                        f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False"
                        + (" (or from_evaluator=True, to read the evaluator's scores)."
-                          if trainer.config.evaluator is not None else "."))
+                          if trainer.config.evaluator is not None else ".")
+                       + trainer.strategy.missing_metric_hint(trainer.module))
             if self.strict:
                 raise MisconfigurationError(message)
             if not self._warned_missing and trainer.is_global_zero:
