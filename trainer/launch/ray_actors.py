@@ -71,6 +71,10 @@ def connect(ray: Any, address: str | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None and address not in ("auto", "local"):
         check_reachable(address)
+    if not sys.stdout.isatty():
+        # Ray prefixes each line of the workers' output it prints here with "(rank 0 pid=...)" in colour codes,
+        # also into a file or a pipe; Ray's documented RAY_COLOR_PREFIX=0 leaves them out (a user's choice wins).
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     except ConnectionError as err:

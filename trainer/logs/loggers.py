@@ -89,9 +89,22 @@ class Logger:
         return state.get("folder", run_folder(self.save_dir, self.name)) == run_folder(self.save_dir, self.name)
 
 
+#: Where the output is a file or a pipe (a SLURM .out file, `| tee`), a table is this wide at most rather than 80
+#: columns: a path in it stays on one line, whole, for the reader to copy and for grep.
+LOG_WIDTH = 400
+
+
+def output_console() -> Any:
+    """A rich Console for tables printed to stdout: the terminal's width in a terminal; elsewhere no wrapping at
+    80 columns and, as rich does outside a terminal, no colour or other escape codes."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=LOG_WIDTH)
+
+
 def print_results_table(results: list[dict[str, float]], stage: str) -> None:
     """The metrics of a validate/test run as a table: a row per metric, a column per dataloader."""
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{stage} results", title_justify="left")
@@ -100,7 +113,7 @@ def print_results_table(results: list[dict[str, float]], stage: str) -> None:
         table.add_column(f"dataloader {index}" if len(results) > 1 else "value", justify="right")
     for name in sorted({name for metrics in results for name in metrics}):
         table.add_row(name, *(f"{metrics[name]:.6g}" if name in metrics else "" for metrics in results))
-    Console().print(table)
+    output_console().print(table)
 
 
 def hparams_yaml(params: Mapping[str, Any]) -> str:
