@@ -76,8 +76,9 @@ def test_ddp_on_two_ray_nodes_resumes_after_a_sigkill_to_the_self_launchs_weight
     killed_at, restarted_at = tmp_path / "killed_at", tmp_path / "restarted_at"
     module = fit(tmp_path, "ddp", [KillNoted(4, 1, str(killed_at)), RestartNoted(str(restarted_at))],
                  launcher="ray", ray_address=ray_cluster.address, max_restarts=1)
-    err = capfd.readouterr().err
+    out, err = capfd.readouterr()
     assert "trainer: 2 ranks as Ray actors on 2 node(s)" in err  # one CPU per node: one rank on each
+    assert "\x1b[" not in out + err  # piped: Ray's "(rank 1 pid=...)" prefixes come without colour codes
     # The failure that ends a job without restarts left (`raise` of the same error), announced here instead.
     assert "trainer: rank 1 of 2 died on Ray node " in err and "Restarting every rank (1 of 1)." in err
     # Issue 28's bound on noticing a dead rank and acting on it (a liveness bound, not a speed measurement).
