@@ -13,23 +13,33 @@ WORKERS ?= 2
 
 .PHONY: setup demo test test-fast bench clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+# One venv for both commands, with a stamp per set of extras: `make demo` installs the core dependencies and
+# scikit-learn (the `recipes` extra, the digits data) and nothing else; `make test` adds the `dev` extras (pytest,
+# ray, mlflow, tensorboard, ...) to the same venv, also after a demo, since its own stamp is missing then.
+$(BIN)/.venv-base: Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
+	touch $@
+
+$(BIN)/.installed-demo: $(BIN)/.venv-base pyproject.toml
+	$(BIN)/pip install -q -e ".[recipes]"
+	touch $@
+
+$(BIN)/.installed-dev: $(BIN)/.venv-base pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-setup: $(BIN)/.installed
+setup: $(BIN)/.installed-dev
 
-demo: setup
+demo: $(BIN)/.installed-demo
 	$(BIN)/trainer fit recipes/digits.yaml recipes/digits_ddp.yaml
 	@echo
 	@echo "The trainer command lives in $(BIN)/: run '. $(BIN)/activate' to put it on PATH in this shell,"
 	@echo "then try 'trainer --help' (or call $(BIN)/trainer directly)."
 
 # The whole suite: the in-process tests on $(WORKERS) workers, then the slow (multi-process) tests one at a time.
-test: setup
+test: $(BIN)/.installed-dev
 	$(BIN)/pytest -q -m "not slow" -n $(WORKERS); fast=$$?; $(BIN)/pytest -q -m slow; slow=$$?; \
 	exit $$(( fast || slow ))
 

@@ -241,7 +241,8 @@ class ModelCheckpoint(Callback):
         message = (f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
                    f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, value) "
                    "or fix the name" + (", or rank by the evaluator's scores: from_evaluator=True."
-                                        if trainer.config.evaluator is not None else "."))
+                                        if trainer.config.evaluator is not None else ".")
+                   + trainer.strategy.missing_metric_hint(trainer.module))
         # Before the first validation a validation metric is legitimately absent; after it, it is a mistake.
         epoch_validated = at_epoch_end and trainer.epoch_batches_done and trainer.validates_at_epoch_end
         if self._validation_ran or epoch_validated:

@@ -91,13 +91,16 @@ class EarlyStopping(Callback):
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         if trainer.sanity_checking or trainer.stage != "fit" or self._at_epoch_end:
             return
-        self._check(trainer)
+        self._run_early_stopping_check(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         if self._at_epoch_end:
-            self._check(trainer)
+            self._run_early_stopping_check(trainer)
 
-    def _check(self, trainer: Trainer) -> None:
+    def _run_early_stopping_check(self, trainer: Trainer) -> None:
+        """One check of `monitor`: stop the fit where it says so. Lightning's override point, under its name: a
+        subclass that checks elsewhere (at the end of training instead of after validation, as Lightning's docs
+        show) overrides the hook that calls it and calls it from its own."""
         if trainer.config.fast_dev_run:
             return  # a smoke test of a batch or two: as in Lightning, it never stops early
         if self.from_evaluator:
@@ -109,7 +112,8 @@ class EarlyStopping(Callback):
                        f"logged: {sorted(metrics)}. "
                        f"Log it with self.log({self.monitor!r}, value), fix the name, or pass strict=False"
                        + (" (or from_evaluator=True, to read the evaluator's scores)."
-                          if trainer.config.evaluator is not None else "."))
+                          if trainer.config.evaluator is not None else ".")
+                       + trainer.strategy.missing_metric_hint(trainer.module))
             if self.strict:
                 raise MisconfigurationError(message)
             if not self._warned_missing and trainer.is_global_zero:

@@ -14,6 +14,7 @@ from torchyard.callbacks.base import Callback
 from torchyard.trainer.checkpointing.resume import shown_path
 from torchyard.trainer.data.loaders import samples_in_batches
 from torchyard.trainer.errors import MisconfigurationError
+from torchyard.trainer.logs.loggers import output_console
 from torchyard.trainer.logs.runs import holds_run_files
 
 if TYPE_CHECKING:
@@ -223,6 +224,4 @@ class ModelSummary(Callback):
 
 
 def _print_table(table: Table) -> None:
-    from rich.console import Console
-
-    Console().print(table)
+    output_console().print(table)  # in a log file: no path cut at 80 columns

@@ -77,7 +77,8 @@ def test_ckpt_path_that_does_not_exist(tmp_path):
 
 
 def test_empty_dataloader():
-    with pytest.raises(MisconfigurationError, match="training dataloader yields no batches"):
+    no_samples = "training dataloader yields no batches: its dataset has no samples"
+    with pytest.raises(MisconfigurationError, match=no_samples):
         fit(Tiny(), loader(samples=0))
     for zero in (0, 0.0):  # refused when the Trainer is built, before anything starts
         with pytest.raises(MisconfigurationError, match="limit_train_batches=0(.0)? would train on nothing"):
@@ -254,3 +255,107 @@ def test_a_warning_from_inside_a_fit_is_shown_without_a_framework_location():
         warnings.warn("the user's own warning", stacklevel=1)  # located here, in the test
     shown = warnings.formatwarning(record[0].message, record[0].category, record[0].filename, record[0].lineno)
     assert shown.startswith(f"{__file__}:{record[0].lineno}: UserWarning: the user's own warning\n")
+
+
+def test_drop_last_with_a_batch_larger_than_the_dataset_names_drop_last():
+    data = DataLoader(TensorDataset(torch.randn(5, 2)), batch_size=8, drop_last=True)
+    with pytest.raises(MisconfigurationError) as caught:
+        fit(Tiny(), data)
+    assert str(caught.value) == (
+        "the training dataloader yields no batches: drop_last=True drops the only batch, a partial one: batch_size=8 "
+        "is larger than the 5 samples; lower batch_size to at most 5, or set drop_last=False."
+    )
+
+
+def test_none_from_training_step_under_data_parallel_names_a_missing_return_on_the_first_batch_only():
+    """The message TrainStep raises on one of 2 data-parallel ranks (a real 2-process run of the first case is in
+    tests/strategies/test_ddp.py): a None before any batch trained is a training_step without `return` (every
+    rank raises it alike); later, one rank skipping a batch would leave the others waiting."""
+    from types import SimpleNamespace
+
+    from torchyard.trainer.loop.step import TrainStep
+
+    progress = SimpleNamespace(epoch=1, epoch_batches=3, batches_stepped=7)
+    step = SimpleNamespace(progress=progress, start=(1, 3, 7), skipped=(-1, 0),
+                           strategy=SimpleNamespace(data_parallel_size=2, global_rank=1, world_size=2))
+    with pytest.raises(MisconfigurationError) as first:
+        TrainStep._skipped_batch(step, 3, False)
+    assert str(first.value) == (
+        "training_step returned None (nothing) for the fit's first batch (batch 3 of epoch 1 on rank 1 of 2); "
+        "under automatic optimization it must return the loss tensor or a dict with key 'loss' (is its `return` "
+        "missing?), or set `automatic_optimization = False`."
+    )
+    progress.epoch_batches, progress.batches_stepped = 5, 9  # two batches trained since the fit started
+    with pytest.raises(MisconfigurationError) as later:
+        TrainStep._skipped_batch(step, 5, False)
+    assert str(later.value) == (
+        "training_step returned None for batch 5 of epoch 1 on rank 1 of 2, which skips the batch on that process "
+        "only; the other processes would wait for it in the gradient all-reduce. Return a loss on every process "
+        "(e.g. loss * 0 to skip)."
+    )
+
+
+def resume(module: TrainModule, ckpt_path, **options) -> Trainer:
+    trainer = Trainer(**{"max_epochs": 3, **QUIET, **options})
+    trainer.fit(module, loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def checkpoints_of(module: TrainModule, folder) -> None:
+    from torchyard.callbacks import ModelCheckpoint
+
+    trainer = Trainer(max_epochs=2, **{**QUIET, "enable_checkpointing": True},
+                      callbacks=[ModelCheckpoint(dirpath=str(folder), filename="{epoch}", save_top_k=-1)])
+    trainer.fit(module, loader())
+
+
+def test_a_missing_ckpt_path_suggests_the_checkpoints_of_its_folder(tmp_path):
+    checkpoints_of(Tiny(), tmp_path / "ckpts")  # epoch=0.ckpt, epoch=1.ckpt
+    with pytest.raises(MisconfigurationError) as close:
+        resume(Tiny(), tmp_path / "ckpts" / "epoch=2.ckpt")
+    assert str(close.value) == (
+        f"ckpt_path '{tmp_path / 'ckpts' / 'epoch=2.ckpt'}' does not exist (did you mean 'epoch=1.ckpt', "
+        "'epoch=0.ckpt'?)."
+    )
+    with pytest.raises(MisconfigurationError) as far:
+        resume(Tiny(), tmp_path / "ckpts" / "best_model.pt")
+    assert str(far.value) == (
+        f"ckpt_path '{tmp_path / 'ckpts' / 'best_model.pt'}' does not exist; its folder '{tmp_path / 'ckpts'}' "
+        "holds 'epoch=0.ckpt', 'epoch=1.ckpt'."
+    )
+    with pytest.raises(MisconfigurationError, match=r"does not exist \(nor does its folder '.*nowhere'\)\.$"):
+        resume(Tiny(), tmp_path / "nowhere" / "last.ckpt")
+
+
+class Wide(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(2, 4)
+        self.head = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.body(batch[0])).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_checkpoint_of_another_model_class_names_it_before_anything_is_resumed(tmp_path, capsys):
+    checkpoints_of(Tiny(), tmp_path)
+    capsys.readouterr()
+    with pytest.raises(CheckpointError) as caught:
+        resume(Wide(), tmp_path / "epoch=1.ckpt")
+    assert str(caught.value) == (
+        f"checkpoint 'epoch=1.ckpt' holds a {Tiny.__module__}.Tiny (module_class), whose weights do not fit "
+        "Wide: missing body.weight, body.bias, head.weight, ... (4 in all); unexpected layer.weight, layer.bias. "
+        "Give the fit a Tiny (or Tiny.load_from_checkpoint(path) to rebuild it from its hparams), or a checkpoint "
+        "of Wide."
+    )
+    assert "resumes from" not in capsys.readouterr().err
+
+    class TinyWithAHook(Tiny):  # another class whose weights fit resumes as before
+        pass
+
+    trainer = resume(TinyWithAHook(), tmp_path / "epoch=1.ckpt")
+    assert trainer.current_epoch == 3
+    assert "fit resumes from epoch=1.ckpt" in capsys.readouterr().err

@@ -102,3 +102,23 @@ def test_manual_optimization_hands_out_a_lightning_optimizer():
     trainer = Trainer(max_epochs=1, **QUIET)
     trainer.fit(Manual(), batches(3))
     assert trainer.global_step == 3
+
+
+class EarlyStoppingAtTrainEnd(EarlyStopping):
+    """Lightning's documented override: check once, at the end of training, instead of after validation."""
+
+    def on_validation_end(self, trainer, module):
+        pass
+
+    def on_train_end(self, trainer, module):
+        self._run_early_stopping_check(trainer)
+
+
+def test_early_stopping_checked_from_on_train_end_through_lightnings_override_point():
+    stopper = EarlyStoppingAtTrainEnd("score", stopping_threshold=1.5, check_on_train_epoch_end=False)
+    trainer = Trainer(max_epochs=3, callbacks=[stopper], **QUIET)
+    trainer.fit(LogsConstant([3.0, 2.0, 1.0]), batches(1), batches(1))
+    assert trainer.current_epoch == 3  # no check stopped the fit: the epochs' validations were not checked
+    assert stopper.stopping_reason is EarlyStoppingReason.STOPPING_THRESHOLD  # the one check, at the end, saw 1.0
+    assert stopper.stopping_reason_message == "'score' = 1 passed stopping_threshold=1.5. Stopping."
+    assert stopper.stopped_epoch == 3

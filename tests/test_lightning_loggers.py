@@ -116,7 +116,7 @@ def fit_with_mlflow(tmp_path: Path, tracking_uri: str, **mlflow_options) -> tupl
     trainer = Trainer(max_epochs=2, default_root_dir=str(tmp_path), logger=[mlflow, csv_logger],
                       callbacks=[ModelCheckpoint(save_last=True)], **QUIET)
     trainer.fit(module, batches(2), batches(1))
-    assert trainer.log_dir == str(mlflow.log_dir) and Path(trainer.checkpoint_callback.dirpath).parent == mlflow.log_dir
+    assert trainer.log_dir == mlflow.log_dir == str(Path(trainer.checkpoint_callback.dirpath).parent)
     return mlflow, module, rows(csv_logger.metrics_path)
 
 

@@ -27,7 +27,7 @@ from torchyard.trainer.checkpointing.state import (
 )
 from torchyard.trainer.compile.options import cache_folder
 from torchyard.trainer.config import TrainerConfig, make_config
-from torchyard.trainer.data.batches import batch_limit
+from torchyard.trainer.data.batches import training_batches
 from torchyard.trainer.data.loaders import build_loaders, stage_loaders
 from torchyard.trainer.datamodule import DataModule
 from torchyard.trainer.errors import MisconfigurationError
@@ -40,7 +40,7 @@ from torchyard.trainer.loop import faults
 from torchyard.trainer.loop.hooks import Hooks
 from torchyard.trainer.loop.host_memory import keep_freed_memory, release_freed_memory
 from torchyard.trainer.loop.loops import evaluation_loop, fit_loop, predict_loop
-from torchyard.trainer.loop.progress import LoopState, Progress
+from torchyard.trainer.loop.progress import LoopState, Progress, TrainerStatus
 from torchyard.trainer.loop.rng import seed_everything, set_determinism, warn_if_weights_unseeded
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
@@ -183,7 +183,18 @@ class Trainer(TrainerProperties):
 
     def _dispatch(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
                   *loaders: Any) -> Any:
-        """Run here, or start the job's processes and adopt rank 0's result."""
+        """Run here, or start the job's processes and adopt rank 0's result; trainer.state says how it went."""
+        self._loop.status, self._loop.ckpt_path = TrainerStatus.RUNNING, None
+        try:
+            result = self._run_or_launch(stage, module, datamodule, ckpt, *loaders)
+        except BaseException:
+            self._loop.status = TrainerStatus.INTERRUPTED  # as in Lightning: any exception, Ctrl-C or SIGTERM
+            raise
+        self._loop.status = TrainerStatus.FINISHED
+        return result
+
+    def _run_or_launch(self, stage: str, module: TrainModule, datamodule: DataModule | None, ckpt: Path | None,
+                       *loaders: Any) -> Any:
         # After ckpt_path was resolved: "best" means the best of the callbacks that ran before, as in Lightning.
         self._attach_module_callbacks(module)
         environment = self.strategy.detect_environment()
@@ -200,6 +211,7 @@ class Trainer(TrainerProperties):
             if datamodule is not None:
                 datamodule.trainer = self
             launcher.adopt(self, module, outcome)  # which hands the state to adopt_worker_state
+            self._loop.ckpt_path = outcome.get("ckpt_path")
             return outcome["result"]
         return self._run(stage, module, datamodule, ckpt, *loaders, environment=environment)["result"]
 
@@ -218,10 +230,12 @@ class Trainer(TrainerProperties):
             strategy.teardown()
             return {"result": None}
         self._start_stage(stage, module, datamodule)
+        self._loop.status = TrainerStatus.RUNNING  # also in a worker, which _dispatch does not run in
         try:
             prepared = self._prepare_stage(stage, module, datamodule, ckpt, loaders)
             return self._stage_outcome(stage, self._run_stage(stage, prepared), hand_back)
         except BaseException as exception:
+            self._loop.status = TrainerStatus.INTERRUPTED  # before on_exception, as in Lightning
             for callback in self.callbacks:
                 callback.on_exception(self, module, exception)
             faults.raise_if_collective_timeout(exception, strategy)  # gloo's socket message -> the operation
@@ -253,7 +267,8 @@ class Trainer(TrainerProperties):
                        loaders: tuple[Any, ...]) -> list[DataLoader]:
         """Versions, loaders, the module on its devices, optimizers, callbacks set up, the checkpoint restored."""
         strategy, config = self.strategy, self.config
-        checkpoint = load_resume_checkpoint(strategy, ckpt, stage)
+        path, checkpoint = load_resume_checkpoint(strategy, ckpt, stage, module)
+        self._loop.ckpt_path = str(path) if path is not None else None
         self._run_folder.adopt_evaluated_run(checkpoint if stage != "fit" else None, self.loggers, stage)
         self._run_folder.settle(strategy, checkpoint if stage == "fit" and checkpoint is not None else {}, self.loggers)
         prepared = stage_loaders(strategy, stage, module, datamodule, loaders, self.config.seed or 0,
@@ -282,7 +297,7 @@ class Trainer(TrainerProperties):
         estimated_stepping_batches (OneCycleLR); then the optimizers."""
         loop, strategy = self._loop, self.strategy
         loop.train_dataloader = prepared[0]
-        loop.num_training_batches = batch_limit(prepared[0], self.config.limit_train_batches)
+        loop.num_training_batches = training_batches(prepared[0], self.config.limit_train_batches)
         loop.build_fit_loaders = functools.partial(build_loaders, strategy, "fit", module, datamodule, loaders,
                                                    self.config.seed or 0, self.config)
         loop.fit_loaders_epoch = self.progress.epoch  # before a checkpoint moves the run on
@@ -302,6 +317,7 @@ class Trainer(TrainerProperties):
             state = launcher.final_state(self)
             if strategy.is_global_zero or strategy.local_rank == 0:
                 outcome["state"] = state
+            outcome["ckpt_path"] = self._loop.ckpt_path
         return outcome
 
     def _end_stage(self, stage: str, module: TrainModule, datamodule: DataModule | None) -> None:

@@ -13,7 +13,7 @@ from torchyard.callbacks.profilers import Profiler
 from torchyard.trainer.data.batches import batch_limit
 from torchyard.trainer.logs.loggers import Logger
 from torchyard.trainer.loop.hooks import Hooks
-from torchyard.trainer.loop.progress import LoopState
+from torchyard.trainer.loop.progress import LoopState, RunningStage, TrainerFn, TrainerState, TrainerStatus
 
 if TYPE_CHECKING:
     from torchyard.trainer.module import TrainModule
@@ -225,3 +225,51 @@ class TrainerProperties:
     def checkpoint_callback(self) -> Any:
         found = self.checkpoint_callbacks
         return found[0] if found else None
+
+    # Lightning's facts about the devices and the run, under its names and meanings.
+    @property
+    def device_ids(self) -> list[int]:
+        """The indexes of the devices this Trainer uses on each node (`[0, 1]` for devices=2, CPU or GPU)."""
+        return list(range(self.strategy.devices))
+
+    @property
+    def num_devices(self) -> int:
+        """How many devices this Trainer uses on each node: len(device_ids)."""
+        return len(self.device_ids)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.strategy.num_nodes
+
+    @property
+    def node_rank(self) -> int:
+        """This process's node in the job (0 in the process that launched it, as on the first node)."""
+        return self.strategy.environment.node_rank
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """The checkpoint file the latest fit, validate, test or predict loaded ("last" and "best" resolved to
+        the file); None when it loaded none. Read-only: give ckpt_path to the entry point instead."""
+        return self._loop.ckpt_path
+
+    @property
+    def interrupted(self) -> bool:
+        """The latest entry point ended by an exception (Ctrl-C and SIGTERM included), as in Lightning."""
+        return self._loop.status == TrainerStatus.INTERRUPTED
+
+    @property
+    def state(self) -> TrainerState:
+        """Lightning's TrainerState: `fn` (the entry point: "fit", ...), `status` ("running", "finished",
+        "interrupted") and `stage` (the loop running now: "train", "sanity_check", "validate", ...; else None)."""
+        status = self._loop.status
+        fn = TrainerFn(self.stage) if self.stage is not None else None
+        return TrainerState(status, fn, self._running_stage() if status == TrainerStatus.RUNNING else None)
+
+    def _running_stage(self) -> RunningStage | None:
+        if self.stage is None:
+            return None
+        if self.sanity_checking:
+            return RunningStage.SANITY_CHECKING
+        if self.stage == "fit":
+            return RunningStage.VALIDATING if self.metrics.stage == "validation" else RunningStage.TRAINING
+        return RunningStage(self.stage)

@@ -76,8 +76,9 @@ def test_ddp_on_two_ray_nodes_resumes_after_a_sigkill_to_the_self_launchs_weight
     killed_at, restarted_at = tmp_path / "killed_at", tmp_path / "restarted_at"
     module = fit(tmp_path, "ddp", [KillNoted(4, 1, str(killed_at)), RestartNoted(str(restarted_at))],
                  launcher="ray", ray_address=ray_cluster.address, max_restarts=1)
-    err = capfd.readouterr().err
+    out, err = capfd.readouterr()
     assert "trainer: 2 ranks as Ray actors on 2 node(s)" in err  # one CPU per node: one rank on each
+    assert "\x1b[" not in out + err  # piped: Ray's "(rank 1 pid=...)" prefixes come without colour codes
     # The failure that ends a job without restarts left (`raise` of the same error), announced here instead.
     assert "trainer: rank 1 of 2 died on Ray node " in err and "Restarting every rank (1 of 1)." in err
     # Issue 28's bound on noticing a dead rank and acting on it (a liveness bound, not a speed measurement).
@@ -176,3 +177,33 @@ def test_a_ranks_failure_is_raised_in_the_caller_as_the_rank_raised_it():
         "the job was stopped. Ray: The actor died unexpectedly before finishing this task.")
     config_error = ray_launcher.failure_record(1, MisconfigurationError("devices=3 but 2 GPUs"), None)
     assert str(ray_launcher._job_failure(config_error, 2, shown_rank=0)) == "devices=3 but 2 GPUs (raised on rank 1)"
+
+
+# --------------------------------------------------------------------------- token authentication (Ray 2.52 and later)
+
+
+@pytest.mark.parametrize(("env", "advice"), [
+    ({}, ". If the cluster uses token authentication (Ray 2.52 and later), this process has no token: set "
+         "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head prints it), "
+         "or copy the head's ~/.ray/auth_token here."),
+    ({"token_file": True}, ". If the cluster uses token authentication, this process sent no token: Ray sends one to "
+                           "an address given explicitly only with RAY_AUTH_MODE=token; set RAY_AUTH_MODE=token here "
+                           "(the token is then read from {home}/.ray/auth_token)."),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "abc"},
+     ". This process sends the token from RAY_AUTH_TOKEN: if the cluster refused it, give this process the cluster's "
+     "token (`ray get-auth-token` on its head prints it) in RAY_AUTH_TOKEN; else check that the cluster's head "
+     "started (`ray status --address` there)."),
+])
+def test_an_address_that_answers_but_refuses_names_the_missing_token(tmp_path, env, advice):
+    """What ray.init's bare "Failed to connect" means since Ray's token authentication: the message says which token
+    this process would send (Ray's order: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token) and the fix."""
+    from torchyard.trainer.launch.ray_actors import refused_connection
+
+    home = tmp_path / "home"
+    if env.pop("token_file", False):
+        (home / ".ray").mkdir(parents=True)
+        (home / ".ray" / "auth_token").write_text("abc")
+    message = refused_connection("127.0.0.1:6379", "Failed to connect to Ray cluster at 10.0.0.1:6379",
+                                 {"HOME": str(home), **env})
+    assert message == ("the Ray cluster at 127.0.0.1:6379 answers but did not let this process join (Failed to "
+                       "connect to Ray cluster at 10.0.0.1:6379)" + advice.format(home=home))

@@ -396,6 +396,23 @@ def test_a_rank_that_raises_stops_the_job_within_seconds_and_its_error_is_raised
         shutil.rmtree(output.parent)
 
 
+class ReturnsNothing(Net):
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)  # the loss computed, the `return` forgotten
+
+
+@pytest.mark.timeout(240)
+def test_a_training_step_without_return_under_ddp_is_named_as_such_not_as_one_rank_skipping(tmp_path):
+    trainer = Trainer(strategy="ddp", devices=2, max_epochs=1, logger=False, enable_checkpointing=False, **QUIET)
+    with pytest.raises(MisconfigurationError) as caught:
+        trainer.fit(ReturnsNothing(), DataLoader(TRAIN, batch_size=BATCH))
+    message = str(caught.value)  # whichever rank raised first: each does, at its first batch
+    assert re.fullmatch(
+        r"training_step returned None \(nothing\) for the fit's first batch \(batch 0 of epoch 0 on rank (\d) of 2\); "
+        r"under automatic optimization it must return the loss tensor or a dict with key 'loss' \(is its `return` "
+        r"missing\?\), or set `automatic_optimization = False`\. \(raised on rank \1\)", message), message
+
+
 class PredictingNet(Net):
     def predict_step(self, batch, batch_idx):
         x, _ = batch

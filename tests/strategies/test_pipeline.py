@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -474,3 +476,58 @@ def test_fit_from_the_caller_starts_the_stages_and_returns_the_trained_model(tmp
     reference = reference_fit(fresh(), epochs=2)
     assert_same_weights(module.state_dict(), reference["state"])
     assert trainer.callback_metrics["train/loss"].item() == pytest.approx(reference["losses"][-1], abs=1e-5)
+
+
+# --------------------------------------------------------------------------- what a pipeline fit does not call
+
+
+class LogsInItsSteps(ChainNet):
+    """A module written for one device: it logs val_mse in validation_step, which a pipeline fit never calls."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_mse", F.cross_entropy(self(batch[0]), batch[1]))
+
+
+def test_a_pipeline_fit_warns_once_at_its_start_which_steps_it_does_not_call(monkeypatch):
+    started = []  # in this process: the launch that would start the stages is recorded, and nothing starts
+    monkeypatch.setattr("torchyard.trainer.launch.warm_start.start_early", lambda: None)
+    monkeypatch.setattr("torchyard.trainer.launch.elastic.launch", lambda *a: started.append(a) or {"result": None})
+    monkeypatch.setattr("torchyard.trainer.launch.elastic.adopt", lambda *args: None)
+    trainer = Trainer(strategy="pipeline", devices=2, enable_checkpointing=False, **QUIET)
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(LogsInItsSteps(), DataLoader(dataset(), batch_size=BATCH))
+    assert [str(w.message) for w in caught] == [
+        "strategy='pipeline' does not call LogsInItsSteps.training_step or validation_step: the stages run "
+        "pipeline_input(batch) forward, and the last stage's pipeline_loss(output, batch) is the loss, logged as "
+        "train/loss (val/loss in validation). Define pipeline_loss, and pipeline_validation_step(output, batch, "
+        "batch_idx) to log values of your own in validation (it runs on the last stage)."
+    ]
+    assert len(started) == 1  # a warning, not an error: the stages would start
+
+    class PipelineOnly(SequentialNet):  # pipeline_loss and pipeline_validation_step: nothing left uncalled
+        training_step = TrainModule.training_step
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit(PipelineOnly(), DataLoader(dataset(), batch_size=BATCH))
+    assert configured().missing_metric_hint(PipelineOnly()) == ""
+    assert configured().missing_metric_hint(SequentialNet()) == (
+        " strategy='pipeline' does not call SequentialNet.training_step, so what it logs is not logged: the fit logs "
+        "train/loss and val/loss from pipeline_loss. Log the value in pipeline_validation_step(output, batch, "
+        "batch_idx), which runs on the last stage.")
+
+
+@pytest.mark.timeout(150)
+def test_a_monitor_that_a_pipeline_fit_never_logs_is_refused_saying_why(tmp_path):
+    monitor = ModelCheckpoint(monitor="val_mse")
+    trainer = Trainer(strategy="pipeline", devices=2, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                      num_sanity_val_steps=0, callbacks=[monitor], default_root_dir=str(tmp_path),
+                      **{**QUIET, "logger": False})
+    with pytest.raises(MisconfigurationError) as caught, pytest.warns(UserWarning, match="does not call"):
+        trainer.fit(LogsInItsSteps(), DataLoader(dataset(), batch_size=BATCH), DataLoader(dataset(), batch_size=12))
+    assert re.fullmatch(re.escape(
+        "ModelCheckpoint(monitor='val_mse') found no such logged metric; logged: ['train/loss', 'val/loss']. "
+        "Log it with self.log('val_mse', value) or fix the name. strategy='pipeline' does not call "
+        "LogsInItsSteps.training_step or validation_step, so what they log is not logged: the fit logs train/loss "
+        "and val/loss from pipeline_loss. Log the value in pipeline_validation_step(output, batch, batch_idx), "
+        "which runs on the last stage. (raised on rank ") + r"[01]\)", str(caught.value)), str(caught.value)

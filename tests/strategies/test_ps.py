@@ -10,7 +10,10 @@ rules (rounds, staleness bound, stale gradients, batch claims) are checked in-pr
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -362,3 +365,34 @@ def test_synchronous_ps_says_once_that_it_clips_each_workers_gradient_before_the
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         strategy.clip_gradients(optimizer, 1.0, "norm")  # once a run
+
+
+# --------------------------------------------------------------------------- a worker that dies
+
+
+class DiesOnItsFourthBatch(Net):
+    """Worker 1 (rank 2) kills itself with SIGKILL at its fourth batch, as the out-of-memory killer would."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 3:
+            Path(self.marker).write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.02)  # the others are still training when it dies
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_ends_the_job_within_seconds_naming_it(tmp_path):
+    marker = tmp_path / "killed_at"
+    trainer = Trainer(strategy="ps", devices=3, max_epochs=20,
+                      enable_checkpointing=False, **QUIET)
+    with pytest.raises(RuntimeError) as caught:
+        trainer.fit(DiesOnItsFourthBatch(str(marker)), train_loader())
+    elapsed = time.time() - float(marker.read_text())
+    # The server used to wait for the dead worker in RPC's graceful shutdown until torch's agent killed it (30 s).
+    assert elapsed < 12, f"the job took {elapsed:.1f} s to end after worker 1 was killed"
+    assert str(caught.value).startswith("rank 2 of 3 was killed by SIGKILL, so the job was stopped.")

@@ -344,6 +344,11 @@ def _unloadable_part(value: Any) -> tuple[list[tuple[str, Any]], Any] | None:
     return [], value
 
 
+def class_path(cls: type) -> str:
+    """`module.QualName`: the model class a checkpoint was saved from (its `module_class`)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def weights_mismatch(own: dict[str, Any], saved: dict[str, Any], error: RuntimeError, examples: int = 3) -> str:
     """How `saved` weights differ from a module's `own`: keys missing, keys unexpected, shapes that differ; else
     the last line of torch's `error` from loading them."""

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchyard.trainer.checkpointing.files import SHARDED_STATE_FILE, saved_position
-from torchyard.trainer.errors import CheckpointError, MisconfigurationError
+import torch
+
+from torchyard.trainer.checkpointing.files import SHARDED_STATE_FILE, class_path, saved_position, weights_mismatch
+from torchyard.trainer.errors import CheckpointError, MisconfigurationError, closest
 from torchyard.trainer.logs.runs import version_folder
 
 _RUN_FOLDER_NAME = re.compile(r"version_\d+")  # a numbered run folder, as runs.py names them
@@ -69,8 +71,24 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | Path | NewestCheckpoint
     if path.is_dir() and not (path / SHARDED_STATE_FILE).is_file():  # a sharded folder is one checkpoint
         raise MisconfigurationError(f"ckpt_path {str(path)!r} is a folder; give a checkpoint file in it, or 'last'.")
     if not path.exists():
-        raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist.")
+        raise MisconfigurationError(f"ckpt_path {str(path)!r} does not exist{_checkpoints_beside(path)}.")
     return path
+
+
+def _checkpoints_beside(path: Path) -> str:
+    """The ' (did you mean ...?)' of a missing checkpoint file: the closest checkpoints of its folder, else those
+    it holds (a few), else that the folder holds none or does not exist."""
+    folder = path.parent
+    if not folder.is_dir():
+        return f" (nor does its folder {str(folder)!r})"
+    names = sorted(entry.name for entry in folder.iterdir() if entry.suffix in (".ckpt", ".pt", ".pth"))
+    if not names:
+        return f"; its folder {str(folder)!r} holds no checkpoint"
+    suggestion = closest(path.name, names)
+    if suggestion:
+        return suggestion
+    listed = ", ".join(repr(name) for name in names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+    return f"; its folder {str(folder)!r} holds {listed}"
 
 
 def default_ckpt_path(trainer: Trainer, stage: str, module: TrainModule | None, ckpt_path: str | Path | None,
@@ -179,12 +197,13 @@ def load_newest(
 
 
 def load_resume_checkpoint(
-    strategy: Strategy, ckpt: Path | NewestCheckpoint | None, stage: str = "fit"
-) -> dict[str, Any] | None:
-    """The checkpoint a stage starts from: a given file (errors are the user's to see) or the best good one
-    ("last"; a fit needs one it can resume from, an evaluation only weights). Rank 0 prints which file, of which run."""
+    strategy: Strategy, ckpt: Path | NewestCheckpoint | None, stage: str = "fit", module: TrainModule | None = None
+) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint a stage starts from and its file: a given file (errors are the user's to see) or the best good
+    one ("last"; a fit needs one it can resume from, an evaluation only weights). Rank 0 prints which file, of which
+    run, once it is known to be `module`'s (check_model_class)."""
     if ckpt is None:
-        return None
+        return None, None
     if not isinstance(ckpt, NewestCheckpoint):
         path, checkpoint = Path(ckpt), strategy.load_checkpoint(ckpt)
     else:
@@ -194,9 +213,36 @@ def load_resume_checkpoint(
             raise CheckpointError(f'ckpt_path="last": no checkpoint in {str(ckpt.folder)!r} can be used: those that do '
                                   f"not read are warned about above{hint}.")
         path, checkpoint = found
+    if module is not None:
+        check_model_class(path, checkpoint, module)
     if strategy.is_global_zero:
         print(loaded_checkpoint_line(stage, path, checkpoint), file=sys.stderr, flush=True)
-    return checkpoint
+    return path, checkpoint
+
+
+def check_model_class(path: Path, checkpoint: dict[str, Any], module: TrainModule) -> None:
+    """Refuse a checkpoint of another model class whose weights do not fit `module`, naming the class it holds.
+    Another class whose weights fit (a subclass, a fine-tuning head kept apart) loads as before."""
+    saved, given = checkpoint.get("module_class"), type(module)
+    weights = checkpoint.get("state_dict")
+    if not isinstance(saved, str) or saved == class_path(given) or not isinstance(weights, dict):
+        return  # an older checkpoint (no class recorded), the same class, or a sharded one (its weights unread)
+    own = module.state_dict()
+    keys_differ = module.strict_loading and set(own) != set(weights)
+    shapes_differ = any(
+        isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.parameter.UninitializedParameter)
+        and isinstance(weights[key], torch.Tensor) and weights[key].shape != value.shape
+        for key, value in own.items() if key in weights
+    )
+    if not (keys_differ or shapes_differ):
+        return
+    name = saved.rsplit(".", 1)[-1]
+    differences = weights_mismatch(own, weights, RuntimeError("the weights differ"))
+    raise CheckpointError(
+        f"checkpoint {shown_path(path)!r} holds a {saved} (module_class), whose weights do not fit {given.__name__}: "
+        f"{differences}. Give the fit a {name} (or {name}.load_from_checkpoint(path) to rebuild it from its "
+        f"hparams), or a checkpoint of {given.__name__}."
+    )
 
 
 def loaded_checkpoint_line(stage: str, path: Path, checkpoint: dict[str, Any]) -> str:

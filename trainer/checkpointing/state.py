@@ -13,6 +13,7 @@ import torch
 
 from torchyard.trainer.checkpointing.files import (
     CHECKPOINT_VERSION,
+    class_path,
     save_checkpoint_file,
     unloadable,
     weights_mismatch,
@@ -44,6 +45,7 @@ def build_checkpoint(trainer: Trainer, weights_only: bool = False,
         # Lightning's top-level counters, for ported on_load_checkpoint code and tools (loops holds the rest).
         "epoch": trainer.current_epoch, "global_step": trainer.global_step,
         "state_dict": model_state if model_state is not None else trainer.strategy.checkpoint_model_state(),
+        "module_class": class_path(type(trainer.module)),  # named when another model is given the checkpoint
         **saved_hparams(trainer),
     }
     if not weights_only:

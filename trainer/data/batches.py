@@ -38,6 +38,35 @@ def batch_limit(loader: DataLoader, limit: int | float, length: int | float | No
     return math.inf if limit == 1.0 else 0
 
 
+def training_batches(loader: DataLoader, limit: int | float) -> int | float:
+    """batch_limit for a fit's training loader, which must give at least one batch: none is an error saying why."""
+    num_batches = batch_limit(loader, limit)
+    if num_batches == 0:
+        raise MisconfigurationError(f"the training dataloader yields no batches: {_no_batches_cause(loader, limit)}.")
+    return num_batches
+
+
+def _no_batches_cause(loader: Any, limit: int | float) -> str:
+    """Why a training dataloader gives no batch: what was given and the fix."""
+    if limit == 0:
+        return "limit_train_batches=0; give it a positive count or fraction"
+    # The batch sampler holds batch_size and drop_last: the loader's own read None once ours replaced it.
+    batches = getattr(loader, "batch_sampler", None)
+    if not isinstance(batches, torch.utils.data.BatchSampler):  # a batch_sampler of the user's own
+        return "its dataset or batch sampler is empty; check what the dataloader is given"
+    try:
+        samples = len(batches.sampler)  # each process's share under a DistributedSampler
+    except TypeError:
+        return "its dataset is empty; check what the dataloader is given"
+    share = " on each process" if isinstance(batches.sampler, torch.utils.data.DistributedSampler) else ""
+    if samples == 0:
+        return f"its dataset has no samples{share}; check what the dataloader is given"
+    if batches.drop_last and samples < batches.batch_size:
+        return (f"drop_last=True drops the only batch, a partial one: batch_size={batches.batch_size} is larger than "
+                f"the {samples} samples{share}; lower batch_size to at most {samples}, or set drop_last=False")
+    return "its dataset is empty; check what the dataloader is given"
+
+
 def val_every(interval: int | float, num_batches: int | float) -> int | float:
     """The training batches between validations that val_check_interval (a count, or a share of an epoch) asks for."""
     if isinstance(interval, float) and num_batches == math.inf:

@@ -19,7 +19,9 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment, detect_environment, find_free_port
@@ -71,11 +73,48 @@ def connect(ray: Any, address: str | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None and address not in ("auto", "local"):
         check_reachable(address)
+    if not sys.stdout.isatty():
+        # Ray prefixes each line of the workers' output it prints here with "(rank 0 pid=...)" in colour codes,
+        # also into a file or a pipe; Ray's documented RAY_COLOR_PREFIX=0 leaves them out (a user's choice wins).
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     except ConnectionError as err:
-        raise MisconfigurationError(f"no Ray cluster at {address!r}: {_first_line(err)}") from None
+        if address is None or address in ("auto", "local"):
+            raise MisconfigurationError(f"no Ray cluster at {address!r}: {_first_line(err)}") from None
+        raise MisconfigurationError(refused_connection(address, _first_line(err), os.environ)) from None
     return True
+
+
+def ray_token_source(env: Mapping[str, str]) -> str | None:
+    """Where Ray would read this process's authentication token, in Ray's order (RAY_AUTH_TOKEN, the file
+    RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token), or None where it has none."""
+    if env.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if env.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH ({env['RAY_AUTH_TOKEN_PATH']})"
+    default = Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token"
+    return str(default) if default.is_file() else None
+
+
+def refused_connection(address: str, reason: str, env: Mapping[str, str]) -> str:
+    """The error for a Ray address that answers (check_reachable passed) but that ray.init could not join. Since
+    Ray 2.52 the usual cause is token authentication: a cluster started with it (RAY_AUTH_MODE=token, or
+    `ray start --head` where ~/.ray/auth_token exists) refuses a process that sends no token or another one, and
+    Ray sends one to an address given explicitly only under RAY_AUTH_MODE=token (docs/ray.md#token-authentication)."""
+    source, mode = ray_token_source(env), env.get("RAY_AUTH_MODE", "").lower()
+    said = f"the Ray cluster at {address} answers but did not let this process join ({reason})"
+    if mode == "token" and source is not None:
+        return (f"{said}. This process sends the token from {source}: if the cluster refused it, give this process "
+                "the cluster's token (`ray get-auth-token` on its head prints it) in RAY_AUTH_TOKEN; else check that "
+                "the cluster's head started (`ray status --address` there).")
+    if mode != "token" and source is not None:
+        return (f"{said}. If the cluster uses token authentication, this process sent no token: Ray sends one to an "
+                f"address given explicitly only with RAY_AUTH_MODE=token; set RAY_AUTH_MODE=token here (the token is "
+                f"then read from {source}).")
+    return (f"{said}. If the cluster uses token authentication (Ray 2.52 and later), this process has no token: set "
+            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head prints "
+            "it), or copy the head's ~/.ray/auth_token here.")
 
 
 def check_reachable(address: str) -> None:

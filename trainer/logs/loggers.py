@@ -61,8 +61,9 @@ class Logger:
         return self._version is not None or (folder_of is not None and folder_of.version_chosen)
 
     @property
-    def log_dir(self) -> Path:
-        return self.save_dir / self.name / version_folder(self.version)
+    def log_dir(self) -> str:
+        """`<save_dir>/<name>/version_<n>`, a str (as Lightning's, and as trainer.log_dir)."""
+        return str(self.save_dir / self.name / version_folder(self.version))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
@@ -111,9 +112,22 @@ def share_run_folders(loggers: Sequence[Logger]) -> None:
             logger._folder_of = owner
 
 
+#: Where the output is a file or a pipe (a SLURM .out file, `| tee`), a table is this wide at most rather than 80
+#: columns: a path in it stays on one line, whole, for the reader to copy and for grep.
+LOG_WIDTH = 400
+
+
+def output_console() -> Any:
+    """A rich Console for tables printed to stdout: the terminal's width in a terminal; elsewhere no wrapping at
+    80 columns and, as rich does outside a terminal, no colour or other escape codes."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=LOG_WIDTH)
+
+
 def print_results_table(results: list[dict[str, float]], stage: str) -> None:
     """The metrics of a validate/test run as a table: a row per metric, a column per dataloader."""
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{stage} results", title_justify="left")
@@ -122,7 +136,7 @@ def print_results_table(results: list[dict[str, float]], stage: str) -> None:
         table.add_column(f"dataloader {index}" if len(results) > 1 else "value", justify="right")
     for name in sorted({name for metrics in results for name in metrics}):
         table.add_row(name, *(f"{metrics[name]:.6g}" if name in metrics else "" for metrics in results))
-    Console().print(table)
+    output_console().print(table)
 
 
 def hparams_yaml(params: Mapping[str, Any]) -> str:
@@ -157,7 +171,7 @@ class CSVLogger(Logger):
         """metrics.csv; metrics_<stage>.csv for an evaluation logged into the run it evaluates (its training rows
         stay as they were, and `trainer plot` reads the training curves alone)."""
         stage = getattr(self, "evaluation_stage", None)  # a subclass may not call Logger.__init__
-        return self.log_dir / (f"metrics_{stage}.csv" if stage else "metrics.csv")
+        return Path(self.log_dir) / (f"metrics_{stage}.csv" if stage else "metrics.csv")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": step, **self.prefixed(metrics)}
@@ -168,8 +182,8 @@ class CSVLogger(Logger):
             self.save()
 
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.log_dir / "hparams.yaml", hparams_yaml(params))
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(self.log_dir) / "hparams.yaml", hparams_yaml(params))
         if metrics:
             self.log_metrics(metrics, step=0)
 
@@ -181,7 +195,7 @@ class CSVLogger(Logger):
     def save(self) -> None:
         if self._written == len(self.rows) and (self.metrics_path.exists() or not self.rows):
             return  # nothing new; a run that logged nothing (it failed before starting) leaves no folder behind
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         columns = list(self._columns)
         for row in self.rows[self._written:]:
             columns.extend(k for k in row if k not in columns)
@@ -383,9 +397,9 @@ class MLFlowLogger(Logger):
         self._version = value
 
     @property
-    def log_dir(self) -> Path:
+    def log_dir(self) -> str:
         """Where this run's local files go (its checkpoints): <save_dir>/<experiment id>/<run id>."""
-        return self.save_dir / str(self.experiment_id) / self.run_id
+        return str(self.save_dir / str(self.experiment_id) / self.run_id)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from torchyard.trainer.data.batches import batch_limit, epoch_batches, move_to_device, val_every, validates_after
+from torchyard.trainer.data.batches import (
+    batch_limit,
+    epoch_batches,
+    move_to_device,
+    training_batches,
+    val_every,
+    validates_after,
+)
 from torchyard.trainer.data.combined import CombinedLoader
 from torchyard.trainer.data.ledger import resume_trained_epoch
 from torchyard.trainer.data.loaders import batch_mover, data_wait_advice, measure_data_wait, set_epoch
@@ -115,7 +122,7 @@ class FitEpochs:
         self.loaded_epoch = epoch - epoch % reload_every
         self.train_loader, *val_loaders = _fit_loaders_as_of(self.trainer, self.loaded_epoch)
         self.state.train_dataloader = self.train_loader
-        self.state.num_training_batches = batch_limit(self.train_loader, self.config.limit_train_batches)
+        self.state.num_training_batches = training_batches(self.train_loader, self.config.limit_train_batches)
         self.num_batches, self.val_loaders, self.val_every = _use_loaders(self.trainer, val_loaders)
 
     def _skip_trained_batches(self) -> None:
@@ -237,11 +244,7 @@ class FitEpochs:
 
 def _use_loaders(trainer: Trainer, val_loaders: list[DataLoader]) -> tuple[int | float, list[DataLoader], int | float]:
     """The training batches per epoch, the validation loaders in use and the batches between validations."""
-    num_batches, config = trainer.num_training_batches, trainer.config  # counted before configure_optimizers
-    if num_batches == 0:
-        raise MisconfigurationError(
-            "the training dataloader yields no batches (empty dataset or limit_train_batches=0)."
-        )
+    num_batches, config = trainer.num_training_batches, trainer.config  # counted (never 0) before configure_optimizers
     if config.limit_val_batches == 0:
         val_loaders = []  # validation turned off, sanity check included, as in Lightning
     if val_loaders and not trainer.strategy.validates(trainer.module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -42,12 +43,59 @@ class Progress:
         self.epoch, self.epoch_batches, self.epoch_done, self.validated_batches = self.epoch + 1, 0, False, 0
 
 
+class TrainerFn(str, Enum):
+    """The entry point a Trainer runs or ran last (Lightning's names and values; equal to the plain strings)."""
+
+    FITTING = "fit"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+
+class TrainerStatus(str, Enum):
+    """Whether that entry point is running, finished, or ended by an exception (Lightning's)."""
+
+    INITIALIZING = "initializing"
+    RUNNING = "running"
+    FINISHED = "finished"
+    INTERRUPTED = "interrupted"
+
+
+class RunningStage(str, Enum):
+    """The loop running now (Lightning's)."""
+
+    TRAINING = "train"
+    SANITY_CHECKING = "sanity_check"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """`trainer.state` (Lightning's): the entry point, its status, and the loop running now (None outside one)."""
+
+    status: TrainerStatus = TrainerStatus.INITIALIZING
+    fn: TrainerFn | None = None
+    stage: RunningStage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status == TrainerStatus.FINISHED
+
+    @property
+    def stopped(self) -> bool:
+        return self.status in (TrainerStatus.FINISHED, TrainerStatus.INTERRUPTED)
+
+
 @dataclass
 class LoopState:
     """The loops' state of a Trainer's stages (Progress carries over from stage to stage, and into checkpoints)."""
 
     progress: Progress = field(default_factory=Progress)
     should_stop: bool = False  # set by callbacks (EarlyStopping, Timer): the fit ends at the next chance
+    status: TrainerStatus = TrainerStatus.INITIALIZING  # of the latest entry point (fit, validate, test, predict)
+    ckpt_path: str | None = None  # the checkpoint file the latest entry point loaded (None: none)
     sanity_checking: bool = False
     is_last_batch: bool = False  # the training batch being run is its epoch's last
     train_dataloader: DataLoader | None = None  # this rank's training loader, during fit

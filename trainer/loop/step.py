@@ -63,6 +63,9 @@ class TrainStep:
         # Whether to_device can change a batch: not the strategy's own move on the host, which leaves it as it is.
         self.moves_batches = self.to_device != trainer.strategy.batch_to_device or trainer.strategy.root_device != HOST
         self.skipped = (-1, 0)  # (epoch, batches whose training_step returned None in it)
+        # Where this fit's training starts (after a resume's restore): a None there, before any batch trained,
+        # is a training_step without `return`, on every process alike, not one process skipping a batch.
+        self.start = (self.progress.epoch, self.progress.epoch_batches, self.progress.batches_stepped)
         # The module's training_step where the fit uses nothing that the general path's branches are for (hooks,
         # optimizer overrides, closures, clipping, step schedulers, several optimizers, an lr warm-up, a strategy
         # or precision with its own backward or optimizer step): epochs without accumulation then run `plain_step`.
@@ -153,11 +156,18 @@ class TrainStep:
         """training_step returned None: no backward and no optimizer step for this batch (gradients accumulated
         before it wait for the next step), as in Lightning. Only where one process trains: the others would
         wait in their gradient all-reduce for this one. An epoch of nothing but None is a forgotten `return`."""
-        if self.strategy.data_parallel_size > 1:
+        epoch, strategy = self.progress.epoch, self.strategy
+        if strategy.data_parallel_size > 1:
+            where = f"batch {batch_idx} of epoch {epoch} on rank {strategy.global_rank} of {strategy.world_size}"
+            if (epoch, self.progress.epoch_batches, self.progress.batches_stepped) == self.start:
+                raise MisconfigurationError(
+                    f"training_step returned None (nothing) for the fit's first batch ({where}); under automatic "
+                    "optimization it must return the loss tensor or a dict with key 'loss' (is its `return` "
+                    "missing?), or set `automatic_optimization = False`.")
             raise MisconfigurationError(
-                "training_step returned None, which skips the batch on one process only; the other processes would "
-                "wait for it in the gradient all-reduce. Return a loss on every process (e.g. loss * 0 to skip).")
-        epoch = self.progress.epoch
+                f"training_step returned None for {where}, which skips the batch on that process only; the "
+                "other processes would wait for it in the gradient all-reduce. Return a loss on every process "
+                "(e.g. loss * 0 to skip).")
         skipped = self.skipped[1] + 1 if self.skipped[0] == epoch else 1
         self.skipped = (epoch, skipped)
         if is_last and skipped == batch_idx + 1:

@@ -200,6 +200,11 @@ class Strategy(ABC):
                 f"Trainer.{stage} needs {type(module).__name__}.{step}(self, batch, batch_idx); it has none."
             )
 
+    def missing_metric_hint(self, module: TrainModule) -> str:
+        """Why a value `module` logs may be missing from a fit's logged values under this strategy, for the
+        monitors' errors ("" where nothing of the module's is left uncalled)."""
+        return ""
+
     def validates(self, module: TrainModule) -> bool:
         """Whether a fit given validation loaders validates `module` (it has a validation_step to run)."""
         return type(module).validation_step is not TrainModule.validation_step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,16 @@ def sendable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
     return value
+
+
+def _unused_steps(module: TrainModule) -> list[str]:
+    """The module's own training_step and validation_step (without a pipeline_validation_step in its place),
+    which a pipeline fit does not call."""
+    unused = ["training_step"] if type(module).training_step is not TrainModule.training_step else []
+    own_validation = type(module).validation_step is not TrainModule.validation_step
+    if own_validation and not hasattr(module, "pipeline_validation_step"):
+        unused.append("validation_step")
+    return unused
 
 
 class PipelineStrategy(ProcessGroupStrategy):
@@ -215,7 +226,25 @@ class PipelineStrategy(ProcessGroupStrategy):
         return True  # without a pipeline_validation_step the last stage logs val/loss from pipeline_loss
 
     @override
+    def missing_metric_hint(self, module: TrainModule) -> str:
+        unused = _unused_steps(module)
+        if not unused:
+            return ""
+        return (f" strategy='pipeline' does not call {type(module).__name__}.{' or '.join(unused)}, so what "
+                f"{'they log is' if len(unused) > 1 else 'it logs is'} not logged: the fit logs train/loss and "
+                "val/loss from pipeline_loss. Log the value in pipeline_validation_step(output, batch, batch_idx), "
+                "which runs on the last stage.")
+
+    @override
     def check_module(self, module: TrainModule, stage: str) -> None:
+        unused = _unused_steps(module)
+        if stage == "fit" and unused:
+            warnings.warn(
+                f"strategy='pipeline' does not call {type(module).__name__}.{' or '.join(unused)}: the stages run "
+                "pipeline_input(batch) forward, and the last stage's pipeline_loss(output, batch) is the loss, "
+                "logged as train/loss (val/loss in validation). Define pipeline_loss, and "
+                "pipeline_validation_step(output, batch, batch_idx) to log values of your own in validation "
+                "(it runs on the last stage).", stacklevel=4)
         if stage == "fit" and not module.automatic_optimization:
             raise MisconfigurationError(
                 "strategy='pipeline' runs its schedule's backward; set automatic_optimization = True."

@@ -259,6 +259,11 @@ def stop_serving() -> None:
     _SERVED.clear()
 
 
+def served_shard() -> ParameterShard:
+    """The shard this process serves."""
+    return _served()
+
+
 def _served() -> ParameterShard:
     if not _SERVED:
         raise RuntimeError("this process serves no parameter shard (it is not a parameter server, or it has stopped)")

@@ -25,6 +25,7 @@ from torchyard.trainer.data.samplers import ResumableBatchSampler
 from torchyard.trainer.errors import MisconfigurationError, Terminated
 from torchyard.trainer.strategies import distributed
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
+from torchyard.trainer.strategies.ps import liveness
 from torchyard.trainer.strategies.ps.client import (
     ClaimedBatches,
     RemoteOptimizer,
@@ -32,7 +33,7 @@ from torchyard.trainer.strategies.ps.client import (
     check_optimizer,
     plan_shards,
 )
-from torchyard.trainer.strategies.ps.server import ParameterShard, on_shard, start_serving, stop_serving
+from torchyard.trainer.strategies.ps.server import ParameterShard, on_shard, served_shard, start_serving, stop_serving
 
 if TYPE_CHECKING:
     from torchyard.trainer.config import TrainerConfig
@@ -194,11 +195,38 @@ class ParameterServerStrategy(ProcessGroupStrategy):
         self._in_rpc = True
 
     def _leave_rpc(self, graceful: bool) -> None:
+        """Leave RPC; gracefully (every rank of the job together) unless a rank it would wait for is gone."""
         if self._in_rpc:
             self._in_rpc = False
             with _quiet_rpc_internals():
-                rpc.shutdown(graceful=graceful)
+                if graceful:
+                    watch = self._gone_server_rank if self.is_server else self._gone_worker_rank
+                    liveness.graceful_shutdown_watched(watch)
+                else:
+                    rpc.shutdown(graceful=False)
         self._rpc_store = None
+
+    def _gone_server_rank(self) -> str | None:
+        """A server's watch: the first worker still training that stopped answering (the live ones are told)."""
+        shard = served_shard()
+        with shard.lock:
+            training = sorted(shard.training)  # a worker that finished may leave: only those still training count
+        gone = liveness.first_gone(f"worker{worker}" for worker in training)
+        if gone is None:
+            return None
+        worker = int(gone.removeprefix("worker"))
+        reason = (f"ps worker {worker} (rank {worker + self.ps_servers}) stopped answering while training (its "
+                  "process is gone), so the parameter servers stopped the job")
+        liveness.tell_aborted((f"worker{w}" for w in training if w != worker), reason)
+        return reason
+
+    def _gone_worker_rank(self) -> str | None:
+        """A worker's watch: what a server said stopped the job, else the first server that stopped answering."""
+        told = liveness.abort_reason()
+        if told is not None:
+            return told
+        gone = liveness.first_gone(f"ps{k}" for k in range(self.ps_servers))
+        return None if gone is None else f"parameter server {gone} stopped answering (its process is gone)"
 
     @override
     def serve(self) -> bool:
