@@ -59,6 +59,7 @@ LAYERS: dict[str, int] = {
     f"{T}.strategies.comm_timing": 9, f"{T}.strategies.mesh": 9,
     f"{T}.strategies": 10, f"{T}.strategies.process_group": 10, f"{T}.strategies.single": 10,
     f"{T}.strategies.dp": 10, f"{T}.strategies.ps.server": 10, f"{T}.strategies.ps.liveness": 10,
+    f"{T}.strategies.pipeline.stage_state": 10,
     f"{T}.strategies.fsdp_checkpoint": 10,
     f"{T}.strategies.ddp": 11, f"{T}.strategies.ps.client": 11, f"{T}.strategies.fsdp": 11,
     f"{T}.strategies.ps.strategy": 12, f"{T}.strategies.pipeline.strategy": 12,

@@ -411,16 +411,16 @@ def test_a_custom_training_sampler_is_dealt_into_equal_shards_and_evaluation_int
 
 def test_an_evaluation_slice_without_batches_is_refused_on_every_rank_alike():
     """One validation sample for two processes: rank 1 would never join rank 0's end-of-epoch reduction."""
-    from torchyard.trainer.loop.loops import _check_every_rank_evaluates
+    from torchyard.trainer.evaluation.predictions import check_every_rank_evaluates
 
     for rank in (0, 1):
         loader = prepare_loader(DataLoader(regression_data(1), batch_size=4), train=False, num_replicas=2, rank=rank)
         with pytest.raises(MisconfigurationError, match=r"the validation dataloader gives 2 data-parallel processes 1 "
                                                         r"batch\(es\) in all, so rank\(s\) 1 would get none"):
-            _check_every_rank_evaluates(loader, 1.0, "validation", None)
+            check_every_rank_evaluates(loader, 1.0, "validation", None)
     for samples, limit in ((2, 1.0), (9, 1), (9, 0)):  # a batch each; or none anywhere (limit 0): nothing waits
         loader = prepare_loader(DataLoader(regression_data(samples), batch_size=4), train=False, num_replicas=2, rank=1)
-        _check_every_rank_evaluates(loader, limit, "validation", None)
+        check_every_rank_evaluates(loader, limit, "validation", None)
 
 
 def test_samples_in_batches_is_unknown_for_a_custom_batch_sampler():

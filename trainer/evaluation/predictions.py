@@ -1,7 +1,9 @@
-"""Prediction across ranks: which batches each rank was dealt, and how the ranks' outputs merge back in order."""
+"""Evaluation and prediction across ranks: which batches each rank was dealt (every rank must get one), and how the
+ranks' outputs merge back in order."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Iterator
@@ -11,8 +13,10 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from torchyard.trainer.data.batches import batch_limit
 from torchyard.trainer.data.loaders import loader_kwargs
 from torchyard.trainer.data.samplers import ShardedSampler
+from torchyard.trainer.errors import MisconfigurationError
 
 
 def shard_batches(loader: DataLoader) -> tuple[int, list[int]] | None:
@@ -124,3 +128,37 @@ def _rows(share: list[Any]) -> tuple[list[torch.Tensor], Any] | None:
         for column, leaf in zip(columns, leaves):
             column.append(leaf)
     return [torch.cat(column) for column in columns], structure
+
+
+def check_every_rank_evaluates(loader: DataLoader, limit: int | float, hook: str, index: int | None) -> None:
+    """A clear error, on every rank alike, where some data-parallel rank's slice of `loader` holds no batch:
+    that rank would never join the others' end-of-epoch reduction of what they logged, and they would wait
+    for it until the collective timeout."""
+    sliced = shard_batches(loader)
+    if sliced is None:
+        return
+    counts = sliced[1]
+    limited = [batch_limit(loader, limit, count) for count in counts]
+    if max(limited) > 0 and min(limited) == 0:
+        idle = [rank for rank, count in enumerate(limited) if count == 0]
+        which = f"{hook} dataloader" + (f" {index}" if index is not None else "")
+        raise MisconfigurationError(
+            f"the {which} gives {len(counts)} data-parallel processes {sum(counts)} batch(es) in all, so rank(s) "
+            f"{', '.join(map(str, idle))} would get none and the others would wait for them at the epoch's end; "
+            f"give it at least {len(counts)} samples (or batches), or use fewer devices."
+        )
+
+
+def check_several_loaders(module: Any, step_name: str, loaders: list[DataLoader]) -> bool:
+    """True for several loaders, after checking that the step takes the `dataloader_idx` it then gets."""
+    if len(loaders) < 2:
+        return False
+    step = getattr(module, step_name)
+    try:
+        inspect.signature(step).bind(None, 0, 0)
+    except TypeError:
+        raise MisconfigurationError(
+            f"{len(loaders)} dataloaders were given, but {type(module).__name__}.{step_name} takes no dataloader_idx; "
+            f"define it as {step_name}(self, batch, batch_idx, dataloader_idx=0)."
+        ) from None
+    return True

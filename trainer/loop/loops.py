@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import re
 import warnings
@@ -26,7 +25,13 @@ from torchyard.trainer.data.ledger import resume_trained_epoch
 from torchyard.trainer.data.loaders import batch_mover, data_wait_advice, measure_data_wait, set_epoch
 from torchyard.trainer.data.samplers import draw_epoch_order, skip_batches
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.evaluation.predictions import merge_prediction_shares, recording_batch_indices, shard_batches
+from torchyard.trainer.evaluation.predictions import (
+    check_every_rank_evaluates,
+    check_several_loaders,
+    merge_prediction_shares,
+    recording_batch_indices,
+    shard_batches,
+)
 from torchyard.trainer.loop.faults import StepGuard
 from torchyard.trainer.loop.progress import Progress
 from torchyard.trainer.loop.rng import rng_state, seeded, set_rng_state
@@ -337,9 +342,9 @@ def evaluation_loop(trainer: Trainer, stage: str, loaders: list[DataLoader], lim
     saved_rng = rng_state() if keep_rng else None
     hook = "validation" if stage == "validate" else "test"
     metrics, module = trainer.metrics, trainer.module
-    several = _check_several_loaders(module, f"{hook}_step", loaders)
+    several = check_several_loaders(module, f"{hook}_step", loaders)
     for dataloader_idx, loader in enumerate(loaders):
-        _check_every_rank_evaluates(loader, limit, hook, dataloader_idx if several else None)
+        check_every_rank_evaluates(loader, limit, hook, dataloader_idx if several else None)
     module.eval()
     with metrics.scope(hook, in_step=False):
         # Hooks included, as in Lightning: what they compute from the model needs no graph either.
@@ -411,40 +416,6 @@ def _batch_loop(trainer: Trainer, hook: str, batches: Iterable[Any], dataloader_
 _LOADER_SUFFIX = re.compile(r"/dataloader_idx_\d+$")
 
 
-def _check_every_rank_evaluates(loader: DataLoader, limit: int | float, hook: str, index: int | None) -> None:
-    """A clear error, on every rank alike, where some data-parallel rank's slice of `loader` holds no batch:
-    that rank would never join the others' end-of-epoch reduction of what they logged, and they would wait
-    for it until the collective timeout."""
-    sliced = shard_batches(loader)
-    if sliced is None:
-        return
-    counts = sliced[1]
-    limited = [batch_limit(loader, limit, count) for count in counts]
-    if max(limited) > 0 and min(limited) == 0:
-        idle = [rank for rank, count in enumerate(limited) if count == 0]
-        which = f"{hook} dataloader" + (f" {index}" if index is not None else "")
-        raise MisconfigurationError(
-            f"the {which} gives {len(counts)} data-parallel processes {sum(counts)} batch(es) in all, so rank(s) "
-            f"{', '.join(map(str, idle))} would get none and the others would wait for them at the epoch's end; "
-            f"give it at least {len(counts)} samples (or batches), or use fewer devices."
-        )
-
-
-def _check_several_loaders(module: Any, step_name: str, loaders: list[DataLoader]) -> bool:
-    """True for several loaders, after checking that the step takes the `dataloader_idx` it then gets."""
-    if len(loaders) < 2:
-        return False
-    step = getattr(module, step_name)
-    try:
-        inspect.signature(step).bind(None, 0, 0)
-    except TypeError:
-        raise MisconfigurationError(
-            f"{len(loaders)} dataloaders were given, but {type(module).__name__}.{step_name} takes no dataloader_idx; "
-            f"define it as {step_name}(self, batch, batch_idx, dataloader_idx=0)."
-        ) from None
-    return True
-
-
 def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float) -> list[list[Any]] | None:
     """predict_step over every batch; one list of outputs per loader (None: return_predictions=False).
 
@@ -453,7 +424,7 @@ def predict_loop(trainer: Trainer, loaders: list[DataLoader], limit: int | float
     the strategy.
     """
     state, hooks, strategy = trainer.loop_state, trainer.hooks, trainer.strategy
-    several = _check_several_loaders(trainer.module, "predict_step", loaders)
+    several = check_several_loaders(trainer.module, "predict_step", loaders)
     state.predict_dataloaders = loaders
     trainer.module.eval()
     hooks.call("on_predict_start")

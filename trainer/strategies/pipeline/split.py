@@ -18,15 +18,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from torchyard.trainer.errors import MisconfigurationError, closest
-
-if TYPE_CHECKING:
-    from torchyard.trainer.module import TrainModule
+from torchyard.trainer.module import TrainModule
 
 # torch places these as a V (rank r holds stages r and 2p-1-r), and cannot run them forward-only.
 V_STYLE_PLACEMENT = ("zbv_zero_bubble", "dualpipev")
@@ -324,3 +322,25 @@ def split_batch(batch: Any, batch_size: int, chunks: int) -> list[Any]:
         rebuild = (lambda items: type(batch)(*items)) if hasattr(batch, "_fields") else type(batch)
         return [rebuild([items[i] for items in split_items]) for i in range(chunks)]
     return [batch] * chunks
+
+
+def unused_steps(module: TrainModule) -> list[str]:
+    """The module's own training_step and validation_step (without a pipeline_validation_step in its place),
+    which a pipeline fit does not call."""
+    unused = ["training_step"] if type(module).training_step is not TrainModule.training_step else []
+    own_validation = type(module).validation_step is not TrainModule.validation_step
+    if own_validation and not hasattr(module, "pipeline_validation_step"):
+        unused.append("validation_step")
+    return unused
+
+
+def unused_steps_warning(module: TrainModule) -> str | None:
+    """What a pipeline fit says once when the module defines steps that it does not call, or None."""
+    unused = unused_steps(module)
+    if not unused:
+        return None
+    return (f"strategy='pipeline' does not call {type(module).__name__}.{' or '.join(unused)}: the stages run "
+            "pipeline_input(batch) forward, and the last stage's pipeline_loss(output, batch) is the loss, "
+            "logged as train/loss (val/loss in validation). Define pipeline_loss, and "
+            "pipeline_validation_step(output, batch, batch_idx) to log values of your own in validation "
+            "(it runs on the last stage).")

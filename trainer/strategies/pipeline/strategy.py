@@ -20,7 +20,6 @@ from torchyard.trainer.cluster.environment import ClusterEnvironment
 from torchyard.trainer.compile.regions import start_compile
 from torchyard.trainer.data.batches import move_to_device
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.logs.metrics import batch_value
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import needs_closure
 from torchyard.trainer.strategies import distributed
@@ -31,12 +30,10 @@ from torchyard.trainer.strategies.mesh import (
     check_plan_applied,
     check_plan_hook,
     global_grad_norm,
-    into_layout,
     layout_for,
     load_whole_state,
     local_part,
     positive_size,
-    whole,
 )
 from torchyard.trainer.strategies.pipeline.split import (
     build_stage_modules,
@@ -48,36 +45,20 @@ from torchyard.trainer.strategies.pipeline.split import (
     split_batch,
     stage_ownership,
     stage_placement,
+    unused_steps,
+    unused_steps_warning,
     v_style,
+)
+from torchyard.trainer.strategies.pipeline.stage_state import (
+    full_model_state,
+    full_optimizer_state,
+    load_stage_optimizer_state,
+    sendable,
 )
 from torchyard.trainer.strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
     from torchyard.trainer.compile.options import CompileOptions
-
-
-def sendable(value: Any) -> Any:
-    """A value the last stage logged, as its replica's other ranks get it: a Metric's state stays on this rank (its
-    value for this batch goes), a tensor goes from the CPU."""
-    from torchmetrics import (
-        Metric,  # heavy (it pulls in scipy): imported where a pipeline logs, not on import
-    )
-
-    if isinstance(value, Metric):
-        value = batch_value(value)
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-    return value
-
-
-def _unused_steps(module: TrainModule) -> list[str]:
-    """The module's own training_step and validation_step (without a pipeline_validation_step in its place),
-    which a pipeline fit does not call."""
-    unused = ["training_step"] if type(module).training_step is not TrainModule.training_step else []
-    own_validation = type(module).validation_step is not TrainModule.validation_step
-    if own_validation and not hasattr(module, "pipeline_validation_step"):
-        unused.append("validation_step")
-    return unused
 
 
 class PipelineStrategy(ProcessGroupStrategy):
@@ -227,7 +208,7 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @override
     def missing_metric_hint(self, module: TrainModule) -> str:
-        unused = _unused_steps(module)
+        unused = unused_steps(module)
         if not unused:
             return ""
         return (f" strategy='pipeline' does not call {type(module).__name__}.{' or '.join(unused)}, so what "
@@ -237,14 +218,8 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @override
     def check_module(self, module: TrainModule, stage: str) -> None:
-        unused = _unused_steps(module)
-        if stage == "fit" and unused:
-            warnings.warn(
-                f"strategy='pipeline' does not call {type(module).__name__}.{' or '.join(unused)}: the stages run "
-                "pipeline_input(batch) forward, and the last stage's pipeline_loss(output, batch) is the loss, "
-                "logged as train/loss (val/loss in validation). Define pipeline_loss, and "
-                "pipeline_validation_step(output, batch, batch_idx) to log values of your own in validation "
-                "(it runs on the last stage).", stacklevel=4)
+        if stage == "fit" and (unused := unused_steps_warning(module)):
+            warnings.warn(unused, stacklevel=4)
         if stage == "fit" and not module.automatic_optimization:
             raise MisconfigurationError(
                 "strategy='pipeline' runs its schedule's backward; set automatic_optimization = True."
@@ -497,38 +472,18 @@ class PipelineStrategy(ProcessGroupStrategy):
         """The whole model under single-device keys, on CPU: every stage's share gathered (a collective)."""
         assert self.module is not None
         self._reshard()
-        full = self.module.state_dict()
-        # Tensor-parallel and sharded weights gathered whole within the stage (its ranks own the same keys, in order).
-        mine = {key: whole(value.detach()).cpu() for key, value in full.items() if key in self._owned_keys}
-        for share in distributed.all_gather_object(mine, group=self._pp_group):
-            full.update(share)
-        return {key: value.detach().cpu() for key, value in full.items()}
+        return full_model_state(self.module, self._owned_keys, self._pp_group)
 
     @override
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """As on one device: the param groups plus every stage's per-parameter state (a collective)."""
         self._reshard()
-        state = optimizer.state_dict()
-        mine = {index: move_to_device(whole(value), torch.device("cpu")) for index, value in state["state"].items()}
-        merged: dict[int, Any] = {}
-        for share in distributed.all_gather_object(mine, group=self._pp_group):
-            merged.update(share)
-        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+        return full_optimizer_state(optimizer, self._pp_group)
 
     @override
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load the per-parameter state of this rank's stage parameters only."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        local = {index for index, p in enumerate(params) if id(p) in self._owned_params}
-        optimizer.load_state_dict({
-            "state": {index: value for index, value in state["state"].items() if int(index) in local},
-            "param_groups": state["param_groups"],
-        })
-        for parameter in params:  # whole tensors -> this rank's slices of sharded parameters
-            saved = optimizer.state.get(parameter, {})
-            for name, value in saved.items():
-                if isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.ndim:
-                    saved[name] = into_layout(value, parameter)
+        load_stage_optimizer_state(optimizer, state, self._owned_params)
 
     @override
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
