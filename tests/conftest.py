@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import torch.distributed as dist
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     saved_env = dict(os.environ)
+    # Ray's driver swaps builtins.print for its progress-bar-safe one once a worker's bar is relayed; a later test
+    # that compiles a print would see a graph break in Ray's file instead of its own.
+    monkeypatch.setattr(builtins, "print", builtins.print)
     monkeypatch.chdir(tmp_path)
     # Child processes started by a test must not oversubscribe CI's two cores.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

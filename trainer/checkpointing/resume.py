@@ -225,7 +225,7 @@ def check_model_class(path: Path, checkpoint: dict[str, Any], module: TrainModul
     Another class whose weights fit (a subclass, a fine-tuning head kept apart) loads as before."""
     saved, given = checkpoint.get("module_class"), type(module)
     weights = checkpoint.get("state_dict")
-    if not isinstance(saved, str) or saved == class_path(given) or not isinstance(weights, dict):
+    if not isinstance(saved, str) or saved == class_path(given) or not isinstance(weights, dict) or not weights:
         return  # an older checkpoint (no class recorded), the same class, or a sharded one (its weights unread)
     own = module.state_dict()
     keys_differ = module.strict_loading and set(own) != set(weights)
