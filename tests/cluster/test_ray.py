@@ -54,9 +54,11 @@ class RestartNoted(Callback):
 
 def metrics_rows(root: Path) -> list[dict[str, str]]:
     with open(root / "default" / "version_0" / "metrics.csv", newline="") as f:
-        # The ranks' time split (diagnosis/*, trainer/diagnosis/stragglers.py) is timing: it differs from run to run.
-        return [{key: value for key, value in row.items() if not key.startswith("diagnosis/")}
+        # The ranks' time split (diagnosis/*, trainer/diagnosis/stragglers.py) is timing: it differs from run to run,
+        # and a row that held only it is left out.
+        kept = [{key: value for key, value in row.items() if not key.startswith("diagnosis/")}
                 for row in csv.DictReader(f)]
+    return [row for row in kept if any(value for key, value in row.items() if key != "step")]
 
 
 def children_of_this_process() -> list[int]:
