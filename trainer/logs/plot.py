@@ -101,6 +101,17 @@ def pyplot(needed_by: str) -> Any:
     return plt
 
 
+def save_figure(figure: Any, output: Path, header: str) -> Path:
+    """Title `figure` with `header`, lay it out, write it to `output` and free it; returns `output`."""
+    figure.suptitle(header, fontsize="small")
+    figure.tight_layout()
+    try:
+        figure.savefig(output)
+    finally:
+        pyplot("a figure").close(figure)
+    return output
+
+
 def plot_runs(run_dirs: Sequence[str | Path], output: str | Path) -> Path:
     """Draw every metric of every run to an image at `output` (a PNG unless its suffix says otherwise);
     returns the path written."""

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.logs.plot import pyplot
+from torchyard.trainer.logs.plot import pyplot, save_figure
 from torchyard.trainer.logs.runs import atomic_write_text
 from torchyard.trainer.scaling.fake_step import StepMemory
 
@@ -173,13 +173,7 @@ def draw_plan(rows: list[PlanRow], output: Path, header: str) -> Path:
     speed.legend(fontsize="x-small")
     for axis in (memory, speed):
         axis.grid(alpha=0.3)
-    figure.suptitle(header, fontsize="small")
-    figure.tight_layout()
-    try:
-        figure.savefig(output)
-    finally:
-        plt.close(figure)
-    return output
+    return save_figure(figure, output, header)
 
 
 def _series(rows: list[PlanRow]) -> dict[tuple[str, bool], list[PlanRow]]:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.logs.plot import pyplot
+from torchyard.trainer.logs.plot import pyplot, save_figure
 from torchyard.trainer.logs.runs import atomic_write_text
 
 MB = "MiB"
@@ -213,10 +213,4 @@ def draw_study(rows: list[Row], output: Path, header: str) -> Path:
     for axis in axes:
         axis.tick_params(axis="x", labelsize="small" if len(done) <= 5 else "x-small")
         axis.grid(axis="y", alpha=0.3)
-    figure.suptitle(header, fontsize="small")
-    figure.tight_layout()
-    try:
-        figure.savefig(output)
-    finally:
-        plt.close(figure)
-    return output
+    return save_figure(figure, output, header)
