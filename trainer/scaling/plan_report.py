@@ -17,6 +17,7 @@ from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.logs.plot import pyplot, save_figure
 from torchyard.trainer.logs.runs import atomic_write_text
 from torchyard.trainer.scaling.fake_step import StepMemory
+from torchyard.trainer.scaling.report import markdown, rich_table
 
 MIB = 2**20
 PART_COLORS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer": "tab:green",
@@ -76,18 +77,10 @@ def cells(row: PlanRow) -> list[str]:
             "-" if math.isnan(row.efficiency) else f"{100 * row.efficiency:.0f}%"]
 
 
-def markdown_table(rows: list[PlanRow]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cells(row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def write_plan(rows: list[PlanRow], root: Path, console: Console, header: str) -> Path:
     """Print the table; write plan.md, plan.json and plan.png (when matplotlib is there) to `root`."""
     add_efficiency(rows)
-    table = Table(title=f"trainer plan: {header}", title_justify="left")
-    for column in COLUMNS:
-        table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
+    table = rich_table(f"trainer plan: {header}", COLUMNS)
     for row in rows:
         table.add_row(*cells(row), style="red" if row.largest_micro_batch == 0 else None)
     console.print(table)
@@ -95,7 +88,7 @@ def write_plan(rows: list[PlanRow], root: Path, console: Console, header: str) -
     if compared:
         console.print(compared)
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(root / "plan.md", f"{header}\n\n{markdown_table(rows)}\n{measured_markdown(rows)}")
+    atomic_write_text(root / "plan.md", f"{header}\n\n{markdown(COLUMNS, map(cells, rows))}\n{measured_markdown(rows)}")
     atomic_write_text(root / "plan.json", json.dumps([row_json(row) for row in rows], indent=1))
     try:
         console.print(f"wrote {draw_plan(rows, root / 'plan.png', header)}, plan.md and plan.json in {root}")
@@ -121,10 +114,7 @@ def measured_table(rows: list[PlanRow]) -> Table | None:
     measured = [row for row in rows if row.measured is not None]
     if not measured:
         return None
-    table = Table(title="predicted / measured MiB per part, rank 0 (--measure: real gloo runs here)",
-                  title_justify="left")
-    for column in MEASURED_COLUMNS:
-        table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
+    table = rich_table("predicted / measured MiB per part, rank 0 (--measure: real gloo runs here)", MEASURED_COLUMNS)
     for row in measured:
         table.add_row(*measured_cells(row))
     return table
@@ -134,9 +124,7 @@ def measured_markdown(rows: list[PlanRow]) -> str:
     measured = [row for row in rows if row.measured is not None]
     if not measured:
         return ""
-    lines = ["predicted / measured MiB per part, rank 0:", "", "| " + " | ".join(MEASURED_COLUMNS) + " |",
-             "|" + "---|" * len(MEASURED_COLUMNS)]
-    return "\n".join(lines + ["| " + " | ".join(measured_cells(row)) + " |" for row in measured]) + "\n"
+    return "predicted / measured MiB per part, rank 0:\n\n" + markdown(MEASURED_COLUMNS, map(measured_cells, measured))
 
 
 def row_json(row: PlanRow) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,23 +149,32 @@ def shown_columns(rows: list[Row], by_target: bool) -> list[int]:
     return [index for index, column in enumerate(TABLE_COLUMNS) if column not in hidden]
 
 
-def markdown_table(rows: list[Row], columns: list[int]) -> str:
-    lines = ["| " + " | ".join(TABLE_COLUMNS[i] for i in columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = table_cells(row)
-        lines.append("| " + " | ".join(cells[i].replace("|", "/") for i in columns) + " |")
+def markdown(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table of `rows` of cells; a '|' inside a cell is written '/' so that it does not split the cell."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
+
+
+def rich_table(title: str, columns: Sequence[str], wrapped: Sequence[str] = ()) -> Table:
+    """A report's rich table: the layout (and `wrapped`) columns left-aligned, numbers right; only `wrapped` wrap."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layout", *wrapped) else "right",
+                         no_wrap=column not in wrapped)
+    return table
+
+
+def markdown_table(rows: list[Row], columns: list[int]) -> str:
+    return markdown([TABLE_COLUMNS[i] for i in columns],
+                    ([cells[i] for i in columns] for cells in map(table_cells, rows)))
 
 
 def write_study(rows: list[Row], root: Path, console: Console, header: str, by_target: bool) -> Path:
     """Print the table and verdict; write runs.md, runs.json and scale.png (when matplotlib is there) to `root`."""
     add_speedups(rows)
     columns = shown_columns(rows, by_target)
-    table = Table(title=f"trainer scale: {header}", title_justify="left")
-    for index in columns:
-        column = TABLE_COLUMNS[index]
-        table.add_column(column, justify="left" if column in ("layout", "error") else "right",
-                         no_wrap=column != "error")
+    table = rich_table(f"trainer scale: {header}", [TABLE_COLUMNS[i] for i in columns], wrapped=("error",))
     for row in rows:
         cells = table_cells(row)
         table.add_row(*(cells[i] for i in columns), style="red" if row.error else None)
