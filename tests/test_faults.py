@@ -8,7 +8,6 @@ of the uninterrupted run, bitwise, with the same metrics.csv rows.
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import signal
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from faults import fault_script
-from faults.fault_script import KillAt, SampleLog, fit, starts
+from faults.fault_script import KillAt, SampleLog, fit, metrics_rows, starts
 from processes import reaped
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -57,14 +56,6 @@ def _deterministic_flag_restored():
 
 def run_folder(root: Path) -> Path:
     return root / "default" / "version_0"
-
-
-def metrics_rows(root: Path) -> list[dict[str, str]]:
-    with open(run_folder(root) / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    # The ranks' time split (diagnosis/*, trainer/diagnosis/stragglers.py) is timing: it differs from run to run.
-    kept = [{key: value for key, value in row.items() if not key.startswith("diagnosis/")} for row in rows]
-    return [row for row in kept if any(value for key, value in row.items() if key != "step")]
 
 
 def saved_step(path: Path) -> int:

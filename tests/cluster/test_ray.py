@@ -10,14 +10,13 @@ order, the RNG and the resume all matched.
 
 from __future__ import annotations
 
-import csv
 import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from faults.fault_script import KillAt, Net, fit, loaders, starts
+from faults.fault_script import KillAt, Net, fit, loaders, metrics_rows, starts
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer
@@ -50,15 +49,6 @@ class RestartNoted(Callback):
     def on_train_start(self, trainer, module):
         if trainer.is_global_zero and trainer.strategy.environment.restart_count > 0:
             Path(self.path).write_text(str(time.time()))
-
-
-def metrics_rows(root: Path) -> list[dict[str, str]]:
-    with open(root / "default" / "version_0" / "metrics.csv", newline="") as f:
-        # The ranks' time split (diagnosis/*, trainer/diagnosis/stragglers.py) is timing: it differs from run to run,
-        # and a row that held only it is left out.
-        kept = [{key: value for key, value in row.items() if not key.startswith("diagnosis/")}
-                for row in csv.DictReader(f)]
-    return [row for row in kept if any(value for key, value in row.items() if key != "step")]
 
 
 def children_of_this_process() -> list[int]:

@@ -22,6 +22,7 @@ scheduler, data position and logger rows to land on the uninterrupted run's weig
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import signal
 import time
@@ -151,6 +152,16 @@ def assert_each_sample_trained_once(ledger: dict, log: str | Path) -> None:
         recorded = Counter(order[position].item() for s in ledger["segments"] if s[0] == epoch
                            for position in range(s[5], s[6], s[7]) if position < SAMPLES)
         assert recorded == reference, f"epoch {epoch}: the ledger differs from the batches' samples"
+
+
+def metrics_rows(root: str | Path) -> list[dict[str, str]]:
+    """The rows of a run's metrics.csv (`root`/default/version_0), for comparing two runs: the ranks' time split
+    (diagnosis/*, trainer/diagnosis/stragglers.py) is timing, which differs from run to run, so it is left out, and
+    so is a row that held only it."""
+    with open(Path(root) / "default" / "version_0" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    kept = [{key: value for key, value in row.items() if not key.startswith("diagnosis/")} for row in rows]
+    return [row for row in kept if any(value for key, value in row.items() if key != "step")]
 
 
 def starts(root: str | Path) -> list[str]:
