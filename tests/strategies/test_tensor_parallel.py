@@ -1,8 +1,8 @@
 """Tensor parallel and N-D layouts on one DeviceMesh: layouts refused before any process starts, and a 4-process
 gloo job (tp_cases.py, started once for the module) against one process: pipeline=2 x tp=2, pipeline=2 x fsdp=2,
 HSDP replicate=2 x tp=2 and fsdp dp=2 x tp=2 training, and the last one's checkpoints (a full file and a sharded
-folder) resumed at tp=1 x dp=2, tp=2 x dp=1 and on one process. (An 8-process pp x fsdp x tp run is left out: on
-CI's two cores it would take more than the slow-test budget.)
+folder) resumed at tp=1 x dp=2, tp=2 x dp=1 and on one process; and an 8-process 3-D job, pipeline=2 x fsdp=2 x
+tp=2, for a few steps (8 processes on CI's two cores cost more per step than the slow-test budget allows for 20).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 import tp_cases
 from processes import reaped
-from tp_cases import EPOCHS, QUIET, RESUMED_EPOCHS, SEED, TPNet, fresh, loader
+from tp_cases import EPOCHS, QUIET, RESUMED_EPOCHS, SEED, THREE_D_STEPS, TPNet, fresh, loader
 
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.cli.main import main as cli
@@ -117,10 +117,11 @@ def test_the_charlm_tp_recipe_names_the_model_with_a_plan_and_keeps_charlms_keys
 # --------------------------------------------------------------------------- the 4-process job
 
 
-def one_process(max_epochs: int, ckpt=None) -> tuple[dict[str, torch.Tensor], Trainer]:
+def one_process(max_epochs: int, ckpt=None, max_steps: int = -1) -> tuple[dict[str, torch.Tensor], Trainer]:
     """The same run on one process, its batch the job's global batch."""
     module = fresh()
-    trainer = Trainer(strategy="single", max_epochs=max_epochs, seed=SEED, gradient_clip_val=tp_cases.CLIP, **QUIET)
+    trainer = Trainer(strategy="single", max_epochs=max_epochs, max_steps=max_steps, seed=SEED,
+                      gradient_clip_val=tp_cases.CLIP, **QUIET)
     trainer.fit(module, loader(1), ckpt_path=ckpt)
     return module.state_dict(), trainer
 
@@ -135,20 +136,25 @@ def reference() -> dict[int, tuple[dict[str, torch.Tensor], dict[str, float], in
     return runs
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_job")
-    port, *pair_ports = (str(find_free_port()) for _ in range(3))
+def run_job(out: Path, world_size: int, arguments: list[str]) -> Path:
+    """tp_cases.py on world_size local processes, as torchrun would start them."""
+    port = str(find_free_port())
     procs = []
-    for rank in range(4):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, tp_cases.__file__, str(out), *pair_ports], env=env, text=True,
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, tp_cases.__file__, str(out), *arguments], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
     with reaped(procs):
         outputs = [proc.communicate(timeout=170)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), "\n".join(output[-3000:] for output in outputs)
     return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return run_job(tmp_path_factory.mktemp("tp_job"), 4, [str(find_free_port()) for _ in range(2)])
 
 
 @pytest.mark.timeout(200)
@@ -198,6 +204,15 @@ def test_full_and_sharded_checkpoints_of_dp2_x_tp2_resume_at_other_layouts_and_o
         weights, trainer = one_process(RESUMED_EPOCHS, ckpt=source)
         assert trainer.global_step == 30
         assert_close_weights(weights, uninterrupted)
+
+
+@pytest.mark.timeout(200)
+def test_an_8_process_pipeline2_x_fsdp2_x_tp2_job_trains_as_one_process_does(tmp_path):
+    run_job(tmp_path, 8, ["3d"])
+    results = torch.load(tmp_path / "pp2_fsdp2_tp2.pt", weights_only=True)
+    assert results["global_step"] == THREE_D_STEPS and results["data_parallel_size"] == 2
+    weights, _ = one_process(EPOCHS, max_steps=THREE_D_STEPS)
+    assert_close_weights(results["weights"], weights)
 
 
 @pytest.mark.timeout(200)

@@ -10,7 +10,8 @@
    tp=1 x dp=2, ranks 2-3 the full file at tp=2 x dp=1; each trains one epoch more.
 Rank 0 of each part writes `<part>.pt`: the final weights (gathered), the callback metrics, and what each rank saw.
 
-With `3d` in place of the ports, on 8 ranks: pipeline=2 x fsdp=2 x tp=2 alone, into `pp2_fsdp2_tp2.pt`.
+With `3d` in place of the ports, on 8 ranks: pipeline=2 x fsdp=2 x tp=2 alone for THREE_D_STEPS steps, into
+`pp2_fsdp2_tp2.pt`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torchyard.trainer.strategies.pipeline.strategy import PipelineStrategy
 
 SEED, GLOBAL_BATCH, LR, CLIP = 3, 8, 0.02, 0.05
 EPOCHS, RESUMED_EPOCHS = 2, 3  # 10 steps an epoch: 20 steps, then 10 more after the resume
+THREE_D_STEPS = 4  # 8 processes on CI's two cores: a few steps show the layout trains, within the slow-test budget
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
              logger=False, enable_checkpointing=False)
 
@@ -135,10 +137,10 @@ def gathered(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fit(strategy: FSDPStrategy | PipelineStrategy, devices: int, max_epochs: int, ckpt: Path | None,
-        callbacks: list[Callback], data_parallel: int) -> dict[str, Any]:
+        callbacks: list[Callback], data_parallel: int, max_steps: int = -1) -> dict[str, Any]:
     module = fresh()
-    trainer = Trainer(strategy=strategy, devices=devices, max_epochs=max_epochs, seed=SEED, gradient_clip_val=CLIP,
-                      callbacks=callbacks, **QUIET)
+    trainer = Trainer(strategy=strategy, devices=devices, max_epochs=max_epochs, max_steps=max_steps, seed=SEED,
+                      gradient_clip_val=CLIP, callbacks=callbacks, **QUIET)
     trainer.fit(module, loader(data_parallel), ckpt_path=ckpt)
     return {"weights": gathered(module), "global_step": trainer.global_step,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
@@ -147,9 +149,9 @@ def fit(strategy: FSDPStrategy | PipelineStrategy, devices: int, max_epochs: int
 
 
 def three_d(out: Path) -> None:
-    """8 ranks: pipeline=2 x fsdp=2 x tp=2 (not a test: more than CI's two cores can run in the slow-test budget)."""
+    """8 ranks: pipeline=2 x fsdp=2 x tp=2, THREE_D_STEPS steps."""
     strategy = PipelineStrategy(stages=2, microbatches=2, tensor_parallel=2, data_parallel="fsdp")
-    results = fit(strategy, 8, EPOCHS, None, [], 2)
+    results = fit(strategy, 8, EPOCHS, None, [], 2, max_steps=THREE_D_STEPS)
     if int(os.environ["RANK"]) == 0:
         torch.save(results, out / "pp2_fsdp2_tp2.pt")
 

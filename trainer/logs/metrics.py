@@ -26,7 +26,8 @@ REDUCE_FXS = ("mean", "sum", "max", "min")
 CheckedStepLogs = dict[str, tuple[tuple[Any, ...], tuple[dict[str, torch.Tensor], ...]]]
 
 
-def _is_metric(value: Any) -> bool:
+def is_metric(value: Any) -> bool:
+    """Whether `value` is a torchmetrics Metric, without importing torchmetrics."""
     # Importing torchmetrics costs about as much as importing torch itself (it pulls in scipy), so it is
     # never imported here: a value can only be a Metric if its user already imported torchmetrics.
     torchmetrics = sys.modules.get("torchmetrics")
@@ -178,7 +179,7 @@ class MetricCollector:
             # `.data` is `.detach()` (the same storage, no graph) without a trip through the dispatcher; it is only
             # read. A tensor outside autograd is kept as it is, as detach would share its storage anyway.
             tensor = value.data if value.requires_grad else value
-        elif not isinstance(value, torch.Tensor) and _is_metric(value):
+        elif not isinstance(value, torch.Tensor) and is_metric(value):
             # A Metric keeps its own epoch state and syncs it in compute(); only its batch value is taken here.
             entry.metric, sync_dist, on_epoch = value, False, False
             tensor = batch_value(value).detach() if on_step else None

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from torchyard.trainer.errors import MisconfigurationError, closest
+from torchyard.trainer.logs.metrics import is_metric
 from torchyard.trainer.module import TrainModule
 
 # torch places these as a V (rank r holds stages r and 2p-1-r), and cannot run them forward-only.
@@ -149,9 +150,7 @@ def v_style(name: str) -> bool:
 
 
 def _is_unit(module: nn.Module) -> bool:
-    from torchmetrics import Metric
-
-    return not isinstance(module, Metric) and type(module).__module__ != "torch.nn.modules.loss"
+    return not is_metric(module) and type(module).__module__ != "torch.nn.modules.loss"
 
 
 def _flatten(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torchyard.trainer.data.batches import move_to_device
-from torchyard.trainer.logs.metrics import batch_value
+from torchyard.trainer.logs.metrics import batch_value, is_metric
 from torchyard.trainer.strategies import distributed
 from torchyard.trainer.strategies.mesh import into_layout, whole
 
@@ -18,11 +18,7 @@ from torchyard.trainer.strategies.mesh import into_layout, whole
 def sendable(value: Any) -> Any:
     """A value the last stage logged, as its replica's other ranks get it: a Metric's state stays on this rank (its
     value for this batch goes), a tensor goes from the CPU."""
-    from torchmetrics import (
-        Metric,  # heavy (it pulls in scipy): imported where a pipeline logs, not on import
-    )
-
-    if isinstance(value, Metric):
+    if is_metric(value):
         value = batch_value(value)
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
