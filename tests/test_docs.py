@@ -75,8 +75,23 @@ ALL_BLOCKS = [block for page in PAGES for block in read_blocks(page)]
 RUN_BLOCKS = [block for block in ALL_BLOCKS if block.runs]
 
 
+#: What a training project commonly has beside its script; each block runs beside these, so every page's code also
+#: shows that the framework never imports a user's module of such a name (tests/test_name_collisions.py: recipes/).
+SHADOWS = ("trainer.py", "callbacks.py")
+
+
+def add_colliding_modules(folder: Path, names: tuple[str, ...] = SHADOWS) -> None:
+    """The names a training project commonly has, each failing loudly if the framework imported it."""
+    for name in names:
+        path = folder / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"raise ImportError('the user\\'s own {name} was imported by the framework')\n")
+
+
 def prepare_folder(folder: Path, block: Block) -> None:
-    """The files of the page's earlier `file:` blocks, the venv and the recipes, as a user's checkout has them."""
+    """The files of the page's earlier `file:` blocks, the venv and the recipes, as a user's checkout has them, beside
+    a user's own trainer.py and callbacks.py."""
+    add_colliding_modules(folder)
     for earlier in read_blocks(block.page):
         if earlier.line >= block.line:
             break

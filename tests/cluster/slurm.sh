@@ -43,8 +43,9 @@ SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job waits out the credential lifetime before it starts again: 120 s by default.
-AuthInfo=cred_expire=20
+# A requeued job waits out the credential lifetime before it starts again: 120 s by default; 10 s is still
+# ample for a step to reach slurmd on one host.
+AuthInfo=cred_expire=10
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid

@@ -93,7 +93,7 @@ def test_options_sbatch_refuses_are_its_one_line_and_submit_nothing(slurm, capsy
 @pytest.mark.timeout(1200)
 def test_sigterm_before_the_limit_saves_requeues_and_resumes_exactly(slurm, slurm_jobs, capsys, tmp_path):
     # Long enough that the SIGTERM sent at the first checkpoint lands mid-run (an epoch takes a fraction of a second).
-    epochs = ["trainer.max_epochs=30"]
+    epochs = ["trainer.max_epochs=20"]
     job, reference_run, _ = submitted(capsys, *DIGITS_DDP, *epochs, *TWO_TASKS)
     slurm_jobs.append(job)
     assert slurm.wait(job, timeout=800)["JobState"] == "COMPLETED"
@@ -111,9 +111,9 @@ def test_sigterm_before_the_limit_saves_requeues_and_resumes_exactly(slurm, slur
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-3000:]
     assert "requeueing job" in log and "attempt 2" in log
     resumed, reference = (load_checkpoint_file(r / "checkpoints" / "last.ckpt") for r in (run, reference_run))
-    steps = 30 * 10  # 30 epochs x ceil(1258 / 2 / 64) steps per rank
+    steps = 20 * 10  # 20 epochs x ceil(1258 / 2 / 64) steps per rank
     assert resumed["loops"]["progress"]["global_step"] == reference["loops"]["progress"]["global_step"] == steps
     assert resumed["state_dict"].keys() == reference["state_dict"].keys()
     for key, value in reference["state_dict"].items():
         assert torch.equal(resumed["state_dict"][key], value), f"{key} differs from the uninterrupted run"
-    assert metrics_epochs(run) == list(range(30))
+    assert metrics_epochs(run) == list(range(20))

@@ -2,8 +2,8 @@
 
     RANK=r WORLD_SIZE=4 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tp_cases.py OUT_DIR PORT_A PORT_B
 
-0. All 4 ranks: a 2-stage pipeline x tp=2, a 2-stage pipeline x fsdp=2 (its replicas shard each stage), and fsdp
-   as HSDP replicate=2 x tp=2; 20 AdamW steps each, clipped by the global norm.
+0. All 4 ranks: a 2-stage pipeline x tp=2, and fsdp as HSDP replicate=2 x tp=2; 20 AdamW steps each, clipped by
+   the global norm. (A pipeline whose replicas shard each stage with fsdp is the 3-D job's case.)
 1. All 4 ranks: fsdp with tensor_parallel=2 (dp=2 x tp=2) trains 20 AdamW steps, clipped by the global norm, and
    at its end writes the same state twice: a full file (`full.ckpt`) and a sharded folder (`sharded.ckpt`).
 2. The job's group is left, and the ranks pair up in two jobs of 2: ranks 0-1 resume the sharded folder at
@@ -163,8 +163,7 @@ def main() -> None:
     out, ports = Path(sys.argv[1]), [int(p) for p in sys.argv[2:4]]
     rank = int(os.environ["RANK"])
     pipelines = {"pp2_tp2": (PipelineStrategy(stages=2, microbatches=2, tensor_parallel=2), 1),
-                 "pp2_fsdp2": (PipelineStrategy(stages=2, microbatches=2, data_parallel="fsdp"), 2)}
-    pipelines["hsdp2_tp2"] = (FSDPStrategy(tensor_parallel=2, replicate=2), 2)  # dp_replicate=2 x tp=2
+                 "hsdp2_tp2": (FSDPStrategy(tensor_parallel=2, replicate=2), 2)}  # dp_replicate=2 x tp=2
     for name, (strategy, data_parallel) in pipelines.items():
         results = fit(strategy, 4, EPOCHS, None, [], data_parallel)
         if rank == 0:
