@@ -119,6 +119,11 @@ def test_doctor_without_a_live_job_prints_one_line_and_fails(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"trainer doctor: no job runs in {tmp_path}: the process that wrote its live_job.json (pid {ended.pid}) has "
         "ended without removing it (it was killed).\n")
+    run = tmp_path / "version_3"  # given the run name's folder, the doctor asks its one running version
+    run.mkdir()
+    (tmp_path / LIVE_JOB_FILE).rename(run / LIVE_JOB_FILE)
+    assert main(["doctor", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"trainer doctor: no job runs in {run}: the process that wrote")
     _write_job(tmp_path, store="127.0.0.1:9", host="node7")
     assert main(["doctor", str(tmp_path / LIVE_JOB_FILE)]) == 1
     assert capsys.readouterr().err == (

@@ -62,7 +62,8 @@ def examine(run_dir: str | Path, stacks: bool = False, wait_s: float = ANSWER_WA
     if not folder.is_dir():
         raise MisconfigurationError(f"{str(run_dir)!r} is not a folder; give the run folder of a running job, e.g. "
                                     "runs/<name>/version_0.")
-    job = _read_job(folder / LIVE_JOB_FILE)
+    path = _job_file(folder)
+    folder, job = path.parent, _read_job(path)
     store = _connect(job, folder)
     request = uuid.uuid4().hex[:12]
     ranks = range(int(job["world_size"]))
@@ -79,6 +80,16 @@ def examine(run_dir: str | Path, stacks: bool = False, wait_s: float = ANSWER_WA
             f"within {wait_s:g} s: its ranks have ended or are stopping (a stale {LIVE_JOB_FILE}), or each one holds "
             "the GIL; its own timeout report comes at Trainer(timeout=...).")
     return format_report(answers, float(job["timeout_s"]), stacks, live=True)
+
+
+def _job_file(folder: Path) -> Path:
+    """`folder`'s live_job.json, or, given the folder of a run name (runs/<name>), that of its one running version."""
+    path = folder / LIVE_JOB_FILE
+    below = [] if path.exists() else sorted(folder.glob(f"*/{LIVE_JOB_FILE}"))
+    if len(below) > 1:
+        raise NoLiveJobError(f"{folder} holds several running jobs: {', '.join(str(p.parent) for p in below)}; give "
+                             "the run folder of one.")
+    return below[0] if below else path
 
 
 def _read_job(path: Path) -> dict[str, Any]:

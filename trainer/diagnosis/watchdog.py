@@ -2,9 +2,10 @@
 the job's TCPStore, and builds the report of a stuck job from every rank's published position.
 
 The training thread pays nothing for it beyond the marker's attribute writes (markers.py): the thread wakes every
-`timeout / 8` seconds, compares the marker with what it saw last, and touches the store only when the rank has not
-advanced for `timeout / 2` (and once more when it moves again). So by the time a collective times out on one rank
-(at `timeout`), every rank that is stuck too, in a collective or in its own code, has left its position there.
+`timeout / 8` seconds (at most LOOK_EVERY_S), compares the marker with what it saw last, and writes to the store only
+when the rank has not advanced for `timeout / 2` (and once more when it moves again). So by the time a collective
+times out on one rank (at `timeout`), every rank that is stuck too, in a collective or in its own code, has left its
+position there.
 
 It also answers `trainer doctor` (doctor.py) while the job runs: each time it wakes (at least every LOOK_EVERY_S) it
 checks the store for a request addressed to its rank (one key check) and, if there is one, leaves its position now
