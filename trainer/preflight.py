@@ -336,7 +336,6 @@ def write_run_files(trainer: Trainer) -> None:
         (Path(trainer.log_dir) / RUN_ID_FILE).write_text(run_id)
 
 
-
 def announce_live_job(trainer: Trainer) -> Path | None:
     """Where `trainer doctor <run folder>` reaches this stage's watchdogs, left in the run folder by rank 0 (None:
     not rank 0, or no watchdog watches the ranks); removed when the stage ends (trainer/diagnosis/doctor.py)."""
