@@ -1,6 +1,6 @@
 """`trainer doctor RUN_DIR` (trainer/diagnosis/doctor.py): where every rank of a running job is now, asked of the
 ranks' watchdogs through the job's store without stopping the job; one line and a non-zero status when no job there
-answers."""
+answers. SIGUSR1 to a self-launched job's launching process prints the same report."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def test_trainer_doctor_names_where_each_rank_of_a_running_job_is_and_the_job_go
         while not dozing.exists():  # rank 1 has just started its 3 s in training_step
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
             time.sleep(0.05)
+        job.send_signal(signal.SIGUSR1)  # the launching process prints the same report (asked at the same time)
         code = main(["doctor", str(run)])
         out, err = capsys.readouterr()
         output, _ = job.communicate(timeout=90)
@@ -56,6 +58,10 @@ def test_trainer_doctor_names_where_each_rank_of_a_running_job_is_and_the_job_go
     assert re.fullmatch(rf"  rank 1 \(.+, pid \d+\): runs the user's code, in training_step at {re.escape(str(CASES))}:"
                         rf"{line} \(time.sleep\(self.seconds\)\); still for \d s", lines[2]), out
     assert lines[3:] == ["  (add --stacks to print every rank's whole stack)"]
+    signalled = output.splitlines()
+    at = next(i for i, text in enumerate(signalled) if text.startswith("trainer: SIGUSR1: "))
+    assert signalled[at][len("trainer: SIGUSR1: "):].split(". The job")[0] == lines[0].split(". The job")[0], output
+    assert signalled[at + 3] == lines[3]
     # The job was not disturbed: it trained to its end, saved its checkpoint, and took its file with it.
     assert job.returncode == 0, output
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)

@@ -142,7 +142,7 @@ FOLDER_IMPORTS: dict[str, set[str]] = {
     "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
     "loop": {"root", "callbacks", "data", "evaluation", "strategies"},
     "callbacks": {"root", "checkpointing", "data", "logs"},
-    "launch": {"root", "cluster", "loop"},
+    "launch": {"root", "cluster", "loop", "diagnosis"},  # diagnosis: SIGUSR1 prints trainer doctor's report
     "cli": {"root", "callbacks", "checkpointing", "cluster", "data", "launch", "logs", "strategies"},
     "scaling": {"root", "callbacks", "cli", "cluster", "logs", "strategies"},
 }

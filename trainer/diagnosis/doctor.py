@@ -3,8 +3,8 @@
 While a stage of a job whose ranks are watched runs, its global rank 0 keeps `live_job.json` in the run folder
 (written atomically once the folder is known, removed when the stage ends): the address of the job's TCPStore, the
 key prefix of this attempt's diagnosis there, the number of ranks and the job's timeout. The doctor connects to that
-store as one more client, leaves a request for every rank, and each rank's watchdog thread answers at its next look
-(at most LOOK_EVERY_S later) with where its training thread is now. The training threads are not interrupted, so
+store as one more client and counts one more request there; each rank's watchdog thread sees it at its next look (at
+most LOOK_EVERY_S later) and answers with where its training thread is now. The training threads are not interrupted, so
 asking does not disturb the job.
 """
 
@@ -16,14 +16,13 @@ import json
 import os
 import socket
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from torchyard.trainer.diagnosis.markers import Position
-from torchyard.trainer.diagnosis.watchdog import LOOK_EVERY_S, answer_key, ask_key, format_report
+from torchyard.trainer.diagnosis.watchdog import LOOK_EVERY_S, REQUESTS_KEY, answer_key, format_report
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.logs.runs import atomic_write_text
 
@@ -65,12 +64,9 @@ def examine(run_dir: str | Path, stacks: bool = False, wait_s: float = ANSWER_WA
     path = _job_file(folder)
     folder, job = path.parent, _read_job(path)
     store = _connect(job, folder)
-    request = uuid.uuid4().hex[:12]
-    ranks = range(int(job["world_size"]))
     try:
-        for rank in ranks:
-            store.set(ask_key(rank), request)
-        answers = _collect(store, request, ranks, wait_s)
+        request = store.add(REQUESTS_KEY, 1)
+        answers = _collect(store, request, range(int(job["world_size"])), wait_s)
     except dist.DistError as err:  # the store went with the job
         raise NoLiveJobError(f"the job running in {folder} ended while it was asked ({err.__class__.__name__}: "
                              f"{str(err).splitlines()[0]}).") from None
@@ -137,7 +133,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _collect(store: dist.Store, request: str, ranks: range, wait_s: float) -> dict[int, Position | None]:
+def _collect(store: dist.Store, request: int, ranks: range, wait_s: float) -> dict[int, Position | None]:
     """Each rank's answer to `request` that came within `wait_s` (None: none came); the keys read are removed."""
     answers: dict[int, Position | None] = dict.fromkeys(ranks)
     deadline = time.monotonic() + wait_s
@@ -148,9 +144,5 @@ def _collect(store: dist.Store, request: str, ranks: range, wait_s: float) -> di
                 answers[rank] = Position.from_json(store.get(key))
                 store.delete_key(key)
         if all(answers.values()) or time.monotonic() > deadline:
-            break
+            return answers
         time.sleep(_POLL_S)
-    for rank, answer in answers.items():
-        if answer is None:  # a rank that answers later finds no request left: it leaves nothing behind
-            store.delete_key(ask_key(rank))
-    return answers

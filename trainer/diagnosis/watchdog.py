@@ -8,8 +8,8 @@ times out on one rank (at `timeout`), every rank that is stuck too, in a collect
 position there.
 
 It also answers `trainer doctor` (doctor.py) while the job runs: each time it wakes (at least every LOOK_EVERY_S) it
-checks the store for a request addressed to its rank (one key check) and, if there is one, leaves its position now
-under the request's answer key.
+reads the count of the doctor's requests (one store round trip) and, if there is a new one, leaves its position now
+under that request's answer key.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def _key(rank: int) -> str:
     return f"position/rank{rank}"
 
 
-def ask_key(rank: int) -> str:
-    """Where `trainer doctor` leaves its request (an id) for `rank`'s watchdog."""
-    return f"doctor/ask/rank{rank}"
+#: The count of `trainer doctor`'s requests to this attempt's ranks: each request adds one, and its number names
+#: where the ranks answer it (so that two doctors asking at once each get their answers).
+REQUESTS_KEY = "doctor/requests"
 
 
-def answer_key(request: str, rank: int) -> str:
-    """Where `rank`'s watchdog leaves its position for the doctor's request `request`."""
+def answer_key(request: int, rank: int) -> str:
+    """Where `rank`'s watchdog leaves its position for the doctor's request number `request`."""
     return f"doctor/answer/{request}/rank{rank}"
 
 
@@ -72,8 +72,11 @@ class Watchdog:
         self._stopped = threading.Event()
         self._still_since = now()
         self._thread: threading.Thread | None = None
+        self._answered = 0  # the doctor's requests answered so far (REQUESTS_KEY)
 
     def start(self) -> None:
+        # Requests made before this watchdog (an earlier stage's) are not its to answer.
+        self._answered = self._try(lambda: self.store.add(REQUESTS_KEY, 0)) or 0
         self._thread = threading.Thread(target=self._watch, name="trainer-watchdog", daemon=True)
         self._thread.start()
 
@@ -110,13 +113,14 @@ class Watchdog:
                 self.on_hang(self.report(position))
 
     def _answer_doctor(self) -> None:
-        """Leave this rank's position now where `trainer doctor` asked for it (doctor.py), if it asked."""
-        key = ask_key(self.rank)
-        request = self._try(lambda: self.store.get(key) if self.store.check([key]) else None)
-        if request:
-            self._try(lambda: self.store.delete_key(key))
-            self._try(functools.partial(self.store.set, answer_key(request.decode(), self.rank),
-                                        self.position().to_json()))
+        """Leave this rank's position now where `trainer doctor` asked for it (doctor.py), if it asked since the last
+        look: one store round trip when it did not."""
+        requests = self._try(lambda: self.store.add(REQUESTS_KEY, 0)) or 0
+        if requests > self._answered:
+            answer = self.position().to_json()
+            for request in range(self._answered + 1, requests + 1):
+                self._try(functools.partial(self.store.set, answer_key(request, self.rank), answer))
+            self._answered = requests
 
     def _try(self, call: Callable[[], Any]) -> Any:
         try:
