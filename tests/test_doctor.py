@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,29 +36,36 @@ CASES = Path(cases.__file__).resolve()
 def test_trainer_doctor_names_where_each_rank_of_a_running_job_is_and_the_job_goes_on(tmp_path, capsys):
     dozing, root = tmp_path / "dozing", tmp_path / "root"
     run = root / "default" / "version_0"
-    job = subprocess.Popen([sys.executable, str(CASES), "doze", "ddp", str(root), str(dozing), "3"],
+    job = subprocess.Popen([sys.executable, str(CASES), "doze", "ddp", str(root), str(dozing), "30"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    printed: list[str] = []  # the job's output, read as it comes
+    reader = threading.Thread(target=lambda: printed.extend(job.stdout), daemon=True)
     with reaped([job]):
-        deadline = time.monotonic() + 90
-        while not dozing.exists():  # rank 1 has just started its 3 s in training_step
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+        reader.start()
+        until = time.monotonic() + 90
+        while not dozing.exists():  # rank 1 has just started to sleep in training_step (until released)
+            assert job.poll() is None and time.monotonic() < until, "".join(printed)
             time.sleep(0.05)
         job.send_signal(signal.SIGUSR1)  # the launching process prints the same report (asked at the same time)
         code = main(["doctor", str(run)])
         out, err = capsys.readouterr()
-        output, _ = job.communicate(timeout=90)
+        while not any(text.startswith("trainer: SIGUSR1: ") for text in printed) and time.monotonic() < until:
+            time.sleep(0.05)
+        Path(f"{dozing}.release").touch()  # rank 1 goes on
+        job.wait(timeout=90)
+        reader.join(10)
     assert code == 0, err
-    line = line_of(cases.DozingRank.training_step, "time.sleep(self.seconds)")
+    line = line_of(cases.DozingRank.training_step, "time.sleep(0.2)")
     lines = out.splitlines()
     assert re.fullmatch(
         rf"rank 1 has not reached all_reduce #\d+ \(gradients of step 2\): it is in training_step at cases.py:{line} "
-        r"\(time.sleep\(self.seconds\)\)\. The job runs on \(Trainer\(timeout=60\)\); where every rank is now:",
-        lines[0]), out
+        r"\(time.sleep\(0.2\)\)\. The job runs on \(Trainer\(timeout=60\)\); where every rank is now:", lines[0]), out
     assert re.fullmatch(r"  rank 0 \(.+, pid \d+\): waits in all_reduce #\d+ \(gradients of step 2\); still for \d s",
                         lines[1]), out
     assert re.fullmatch(rf"  rank 1 \(.+, pid \d+\): runs the user's code, in training_step at {re.escape(str(CASES))}:"
-                        rf"{line} \(time.sleep\(self.seconds\)\); still for \d s", lines[2]), out
+                        rf"{line} \(time.sleep\(0.2\)\); still for \d s", lines[2]), out
     assert lines[3:] == ["  (add --stacks to print every rank's whole stack)"]
+    output = "".join(printed)
     signalled = output.splitlines()
     at = next(i for i, text in enumerate(signalled) if text.startswith("trainer: SIGUSR1: "))
     assert signalled[at][len("trainer: SIGUSR1: "):].split(". The job")[0] == lines[0].split(". The job")[0], output

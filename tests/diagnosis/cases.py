@@ -74,8 +74,8 @@ class StuckStage(StuckRank):
 
 
 class DozingRank(Net):
-    """Rank 1 sleeps `seconds` in its training_step at step DOZE_STEP (well within the job's timeout: a slow read),
-    after writing the time to `dozing`; then the job goes on and finishes."""
+    """Rank 1 sleeps in its training_step at step DOZE_STEP (well within the job's timeout: a slow read), after
+    writing the time to `dozing`, for `seconds` or until a file `<dozing>.release` appears; then the job goes on."""
 
     def __init__(self, dozing: str, seconds: float) -> None:
         super().__init__()
@@ -84,7 +84,9 @@ class DozingRank(Net):
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and self.global_step == DOZE_STEP:
             Path(self.dozing).write_text(repr(time.time()))
-            time.sleep(self.seconds)
+            until, release = time.time() + self.seconds, Path(self.dozing + ".release")
+            while time.time() < until and not release.exists():
+                time.sleep(0.2)
         return super().training_step(batch, batch_idx)
 
 
