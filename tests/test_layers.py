@@ -38,7 +38,7 @@ LAYERS: dict[str, int] = {
     #    multi-node job runs before the nodes meet; the evaluator's record of a run
     f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
     f"{T}.logs.evaluations": 3, f"{T}.diagnosis.watchdog": 2, f"{T}.diagnosis.stragglers": 2,
-    f"{T}.diagnosis.agreement": 2, f"{T}.diagnosis.arrival": 1,
+    f"{T}.diagnosis.agreement": 2, f"{T}.diagnosis.arrival": 1, f"{T}.diagnosis.doctor": 3,
     #    torch.compile applied to a module's regions (the strategies call it after wrapping the module)
     f"{T}.compile.regions": 2,
     # 3: the option schema: every Trainer option and its checks
@@ -118,6 +118,7 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.trainer", f"{T}.launch.elastic"): "torch's elastic agent takes 150 ms to import; only a started job needs "
                                             "it",
     (f"{T}.cli.main", f"{T}.evaluation.evaluator"): CLI_REASON,
+    (f"{T}.cli.main", f"{T}.diagnosis.doctor"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launch.ray_actors"): "it imports the elastic agent's launcher; only launcher='ray' needs it",
     (f"{T}.config", f"{T}.logs.loggers"): "every folder reads the option schema, so it sits below the loggers it names",
 }
@@ -137,11 +138,11 @@ FOLDER_IMPORTS: dict[str, set[str]] = {
     "logs": {"root", "data"},
     "checkpointing": {"root", "data", "logs", "loop"},  # data: the sample ledger a checkpoint keeps
     "strategies": {"root", "checkpointing", "cluster", "compile", "data", "diagnosis", "logs"},
-    "diagnosis": {"root", "callbacks"},
+    "diagnosis": {"root", "callbacks", "logs"},  # logs: the run folder's atomic write (doctor.py's live_job.json)
     "evaluation": {"root", "callbacks", "checkpointing", "cluster", "data", "logs", "strategies"},
     "loop": {"root", "callbacks", "data", "evaluation", "strategies"},
     "callbacks": {"root", "checkpointing", "data", "logs"},
-    "launch": {"root", "cluster", "loop"},
+    "launch": {"root", "cluster", "loop", "diagnosis"},  # diagnosis: SIGUSR1 prints trainer doctor's report
     "cli": {"root", "callbacks", "checkpointing", "cluster", "data", "launch", "logs", "strategies"},
     "scaling": {"root", "callbacks", "cli", "cluster", "logs", "strategies"},
 }

@@ -19,6 +19,7 @@ from torchyard.trainer.compile.regions import unwrap_compiled
 from torchyard.trainer.config import TrainerConfig
 from torchyard.trainer.data.loaders import STAGE_LOADERS, own_loader
 from torchyard.trainer.datamodule import DataModule
+from torchyard.trainer.diagnosis.doctor import announce
 from torchyard.trainer.diagnosis.stragglers import StragglerWatch
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.evaluation.evaluator import EvaluatorProcess
@@ -333,3 +334,10 @@ def write_run_files(trainer: Trainer) -> None:
     if trainer.is_global_zero and run_id is not None and trainer.stage == "fit":  # found again by a restart
         Path(trainer.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(trainer.log_dir) / RUN_ID_FILE).write_text(run_id)
+
+
+def announce_live_job(trainer: Trainer) -> Path | None:
+    """Where `trainer doctor <run folder>` reaches this stage's watchdogs, left in the run folder by rank 0 (None:
+    not rank 0, or no watchdog watches the ranks); removed when the stage ends (trainer/diagnosis/doctor.py)."""
+    job = trainer.strategy.live_job() if trainer.is_global_zero else None
+    return None if job is None else announce(trainer.log_dir, job)

@@ -30,6 +30,7 @@ from torchyard.trainer.config import TrainerConfig, make_config
 from torchyard.trainer.data.batches import training_batches
 from torchyard.trainer.data.loaders import build_loaders, stage_loaders
 from torchyard.trainer.datamodule import DataModule
+from torchyard.trainer.diagnosis.doctor import withdraw
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.launch import warm_start
 from torchyard.trainer.launch.script_launch import adopt_rank_zero_rng
@@ -45,6 +46,7 @@ from torchyard.trainer.loop.rng import seed_everything, set_determinism, warn_if
 from torchyard.trainer.module import TrainModule
 from torchyard.trainer.optim import LRScaler, ManualOptimizer, SchedulerConfig
 from torchyard.trainer.preflight import (
+    announce_live_job,
     apply_fast_dev_run,
     apply_overfit_batches,
     build_loggers,
@@ -106,6 +108,7 @@ class Trainer(TrainerProperties):
         self._run_folder = RunFolder(self.config.default_root_dir, self.config.name)
         self._callbacks_configured_by: TrainModule | None = None  # the module whose configure_callbacks was applied
         self._job_world_size: int | None = None  # set once a job this process started handed its state back
+        self._live_job_file: Path | None = None  # where `trainer doctor` finds a running stage (trainer/diagnosis)
         #: The resolved recipe the `trainer` command ran; rank 0 saves it as config.yaml in the run folder.
         self.run_config = run_config
 
@@ -289,6 +292,7 @@ class Trainer(TrainerProperties):
             # that follows it without stepping must not write a second row for the same step.
             self.metrics.rows.last_logged_step = self.progress.batches_stepped
         write_run_files(self)
+        self._live_job_file = announce_live_job(self)
         return prepared
 
     def _prepare_fit(self, module: TrainModule, datamodule: DataModule | None, prepared: list[DataLoader],
@@ -322,6 +326,9 @@ class Trainer(TrainerProperties):
 
     def _end_stage(self, stage: str, module: TrainModule, datamodule: DataModule | None) -> None:
         """Teardown, on every way out of a stage: callbacks, module, datamodule, loggers, the strategy."""
+        if self._live_job_file is not None:
+            withdraw(self._live_job_file)
+            self._live_job_file = None
         for callback in self.callbacks:
             callback.teardown(self, module, stage)
         module.teardown(stage)

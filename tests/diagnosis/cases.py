@@ -3,6 +3,8 @@
     python cases.py stuck <ddp|fsdp|pipeline|ps> [timeout]    rank 1 blocks in its training_step at step 5
     python cases.py slow <ddp|...>                            rank 1 takes 30 ms longer every training_step
     python cases.py mismatch <ddp|...> [timeout]              rank 1 alone calls an extra all_reduce at step 3
+    python cases.py doze <ddp|...> ROOT DOZING [seconds]      rank 1 sleeps in its training_step at step 2, then the
+                                                              job goes on (`trainer doctor ROOT/default/version_0`)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchyard.trainer import Trainer, TrainModule
 
 STUCK_STEP = 5  # the optimizer step at which rank 1 blocks
+DOZE_STEP = 2  # the optimizer step at which rank 1 of `doze` sleeps for a while
 #: Each strategy as the cases run it (2 processes; ps: one server, two workers), and the rank that blocks.
 STRATEGIES = {"ddp": ("ddp", 2), "fsdp": ("fsdp", 2), "pipeline": ({"name": "pipeline", "microbatches": 2}, 2),
               "ps": ({"name": "ps", "staleness": 0}, 3)}
@@ -70,6 +73,33 @@ class StuckStage(StuckRank):
         return F.mse_loss(output, batch[1])
 
 
+class DozingRank(Net):
+    """Rank 1 sleeps in its training_step at step DOZE_STEP (well within the job's timeout: a slow read), after
+    writing the time to `dozing`, for `seconds` or until a file `<dozing>.release` appears; then the job goes on."""
+
+    def __init__(self, dozing: str, seconds: float) -> None:
+        super().__init__()
+        self.dozing, self.seconds = dozing, seconds
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == DOZE_STEP:
+            Path(self.dozing).write_text(repr(time.time()))
+            until, release = time.time() + self.seconds, Path(self.dozing + ".release")
+            while time.time() < until and not release.exists():
+                time.sleep(0.2)
+        return super().training_step(batch, batch_idx)
+
+
+class DozingStage(DozingRank):
+    """Under pipeline, the last stage (rank 1) sleeps in its loss at step DOZE_STEP: the stages run no training_step."""
+
+    def pipeline_loss(self, output, batch):
+        if self.global_rank == 1 and self.global_step == DOZE_STEP:
+            Path(self.dozing).write_text(repr(time.time()))
+            time.sleep(self.seconds)
+        return F.mse_loss(output, batch[1])
+
+
 class SlowRank(Net):
     """Rank 1 takes 30 ms longer over every training_step (a slower GPU, a busy host, a costly batch)."""
 
@@ -94,9 +124,9 @@ def mismatch(strategy: str, timeout: float = 20.0) -> None:
 
 def trainer(strategy: str, timeout: float, **options) -> Trainer:
     spec, devices = STRATEGIES[strategy]
-    options = {"logger": False, **options}
+    options = {"logger": False, "enable_checkpointing": False, **options}
     return Trainer(strategy=spec, devices=devices, accelerator="cpu", max_epochs=1, timeout=timeout,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **options)
+                   enable_progress_bar=False, enable_model_summary=False, **options)
 
 
 def stuck(strategy: str, timeout: float = 4.0, stuck_at: str | None = None) -> None:
@@ -111,9 +141,17 @@ def slow(strategy: str, root: str = "runs") -> Trainer:
     return fitted
 
 
+def doze(strategy: str, root: str, dozing: str, seconds: float = 4.0) -> None:
+    """DozingRank's fit, saving its checkpoint in its run folder `<root>/default/version_0`."""
+    module = (DozingStage if strategy == "pipeline" else DozingRank)(dozing, seconds)
+    trainer(strategy, 60.0, default_root_dir=root, enable_checkpointing=True).fit(module, loader(samples=32))
+
+
 if __name__ == "__main__":
     case, strategy, *rest = sys.argv[1:]
-    if case == "slow":
+    if case == "doze":
+        doze(strategy, rest[0], rest[1], *map(float, rest[2:3]))
+    elif case == "slow":
         slow(strategy)
     elif case == "mismatch":
         mismatch(strategy, *map(float, rest[:1]))

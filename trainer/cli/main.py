@@ -9,6 +9,7 @@
     trainer launch --hosts H1,H2 [--nproc-per-node N] RECIPE|SCRIPT.py [...]  one node per host over ssh
     trainer checkpoint convert FOLDER FILE                   a sharded (fsdp) checkpoint as one full file
     trainer ledger RUN_DIR                                   which samples each epoch trained, and any twice or missed
+    trainer doctor RUN_DIR [--stacks]                        where every rank of a running job is now, live
     trainer scale RECIPE [...] --devices 1,2,4 [--nodes 1,2] [--steps S | --epochs E] [--target val/acc=0.97]
                   [--variants ddp,ddp:sync_every=8]    scale-up vs scale-out study (trainer/scaling/study.py)
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import traceback
@@ -171,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  "exactly once (docs/fault-tolerance.md)")
     ledger.add_argument("run_dir", metavar="RUN_DIR", help="a fit's version folder (or its sample_ledger.json)")
     ledger.set_defaults(handler=show_ledger)
+    doctor = commands.add_parser("doctor", parents=[verbose], help="where every rank of a running job is now, "
+                                 "without stopping it (docs/diagnosis.md)")
+    doctor.add_argument("run_dir", metavar="RUN_DIR", help="the run folder of the running job, e.g. "
+                        "runs/<name>/version_0")
+    doctor.add_argument("--stacks", action="store_true", help="also print every rank's whole Python stack")
+    doctor.set_defaults(handler=run_doctor)
     add_submit_arguments(commands.add_parser("submit", parents=[verbose], help="run a recipe as a SLURM batch job"))
     add_launch_arguments(commands.add_parser("launch", parents=[verbose],
                                              help="run a recipe or script on several hosts over ssh, one node each"))
@@ -333,6 +341,21 @@ def show_ledger(args: argparse.Namespace) -> int:
     lines, clean = report(read_ledger(args.run_dir))
     print("\n".join(lines))
     return 0 if clean else 1
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Print where every rank of the job running in RUN_DIR is now; status 1, one line, when no job there answers."""
+    # torch's C++ side logs a warning with a traceback for a store connection that closes (a job that ends while
+    # asked), before the error this command turns into one line: read at torch's import, so set before it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from torchyard.trainer.diagnosis.doctor import NoLiveJobError, examine  # imports torch: see run_stage
+
+    try:
+        print(examine(args.run_dir, stacks=args.stacks))
+    except NoLiveJobError as err:
+        print(f"trainer doctor: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_scale(args: argparse.Namespace) -> int:

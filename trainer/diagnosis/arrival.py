@@ -4,26 +4,29 @@ arrive and the address they themselves used (torch's own wait would end in a bar
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
-import time
 from typing import Any
+
+import torch.distributed as dist
 
 from torchyard.trainer.errors import StartupTimeoutError
 
-POLL_S = 0.1  # how often a rank that arrived asks how many have
+ALL_ARRIVED = "arrived/all"  # set by the last rank to arrive
 
 
 def wait_for_ranks(store: Any, rank: int, world_size: int, deadline_s: float, address: str, launcher: str) -> None:
     """Check in as `rank` at `store` (the job's, at `address`, 'host:port'), then return once all `world_size` ranks
     have; past `deadline_s`, raise StartupTimeoutError naming who arrived (host, pid) and who did not."""
     store.set(f"arrived/rank{rank}", f"{socket.gethostname()}, pid {os.getpid()}")
-    store.add("arrived", 1)
-    end = time.monotonic() + deadline_s
-    while store.add("arrived", 0) < world_size:
-        if time.monotonic() > end:
-            raise StartupTimeoutError(_missing(store, rank, world_size, deadline_s, address, launcher))
-        time.sleep(POLL_S)
+    if store.add("arrived", 1) >= world_size:
+        store.set(ALL_ARRIVED, "1")  # the last to arrive lets the others go at once
+    else:
+        try:  # the store answers when the key is set: no polling, no lag after the last rank arrived
+            store.wait([ALL_ARRIVED], datetime.timedelta(seconds=deadline_s))
+        except dist.DistStoreError:  # the deadline passed
+            raise StartupTimeoutError(_missing(store, rank, world_size, deadline_s, address, launcher)) from None
 
 
 def _missing(store: Any, rank: int, world_size: int, deadline_s: float, address: str, launcher: str) -> str:

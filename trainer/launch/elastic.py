@@ -12,7 +12,9 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -42,6 +44,7 @@ from torchyard.trainer.cluster.script_guard import (
     names_bound_only_under_the_guard,
     script_call,
 )
+from torchyard.trainer.diagnosis.doctor import NoLiveJobError, examine
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.launch import warm_start
 from torchyard.trainer.launch.script_launch import start_script_ranks
@@ -90,6 +93,7 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     threads = worker_threads(nproc)
     try:
         with _restored_process_state(), _quiet_agent_logs():
+            _report_on_sigusr1(trainer.log_dir if first_node else None)  # the other nodes do not know the folder
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             # Every worker starts from this process's RNG state (seed_everything's seed, or whatever state it has),
             # as the script's code after this call would: the workers do not run the script's main block.
@@ -343,7 +347,7 @@ def _launch_config(trainer: Trainer, nproc: int, num_nodes: int, workdir: Path) 
 def _restored_process_state() -> Iterator[None]:
     """Give the caller back its environment variables and signal handlers, which the agent changes."""
     saved_env = dict(os.environ)
-    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
     saved_handlers = {sig: signal.getsignal(sig) for name in names if (sig := getattr(signal, name, None)) is not None}
     try:
         yield
@@ -353,6 +357,26 @@ def _restored_process_state() -> Iterator[None]:
         for sig, handler in saved_handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def _report_on_sigusr1(run_folder: str | None) -> None:
+    """While the job runs, `kill -USR1 <this process>` prints `trainer doctor`'s report of it on this process's
+    stderr (trainer/diagnosis/doctor.py); _restored_process_state puts the caller's handler back afterwards."""
+    if run_folder is None or not hasattr(signal, "SIGUSR1"):  # Windows has none
+        return
+
+    def report(signum: int, frame: Any) -> None:  # asked from a thread: the agent's loop runs on meanwhile
+        threading.Thread(target=_print_report, args=(run_folder,), name="trainer-sigusr1", daemon=True).start()
+
+    signal.signal(signal.SIGUSR1, report)
+
+
+def _print_report(run_folder: str) -> None:
+    try:
+        text = examine(run_folder)
+    except (NoLiveJobError, MisconfigurationError) as err:
+        text = str(err)
+    print(f"trainer: SIGUSR1: {text}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

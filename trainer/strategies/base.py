@@ -253,6 +253,11 @@ class Strategy(ABC):
         """For a collective that timed out with `error`: where every rank is and which are behind (None: unknown)."""
         return None
 
+    def live_job(self) -> dict[str, Any] | None:
+        """Where `trainer doctor` reaches this job's watchdogs (the store's address, key prefix, ranks, timeout), or
+        None where no watchdog watches the ranks (trainer/diagnosis/doctor.py)."""
+        return None
+
     # ------------------------------------------------------------------ the model
     def setup_module(self, module: TrainModule) -> None:
         """Move the module to this process's device and wrap it for training."""

@@ -102,7 +102,12 @@ def job_store(environment: ClusterEnvironment, timeout: datetime.timedelta, back
 def diagnosis_store(environment: ClusterEnvironment, timeout_s: float, backend: str) -> dist.Store:
     """Where this attempt's ranks publish their positions when stuck (trainer/diagnosis/watchdog.py)."""
     store = job_store(environment, datetime.timedelta(seconds=timeout_s), backend)
-    return dist.PrefixStore(f"trainer/attempt_{environment.restart_count}/diagnosis/", store)
+    return dist.PrefixStore(diagnosis_prefix(environment), store)
+
+
+def diagnosis_prefix(environment: ClusterEnvironment) -> str:
+    """The key prefix of this attempt's diagnosis in the job's store (what `trainer doctor` reads there too)."""
+    return f"trainer/attempt_{environment.restart_count}/diagnosis/"
 
 
 def destroy_process_group() -> None:

@@ -131,6 +131,15 @@ class ProcessGroupStrategy(Strategy):
         return 0.0 if self._watchdog is None else self._watchdog.still_seconds()
 
     @override
+    def live_job(self) -> dict[str, Any] | None:
+        if self._watchdog is None:
+            return None
+        environment = self.environment
+        return {"store": f"{environment.master_addr}:{environment.master_port}",
+                "prefix": distributed.diagnosis_prefix(environment), "world_size": self._watchdog.world_size,
+                "timeout_s": self.timeout, "strategy": type(self).__name__}
+
+    @override
     def hang_report(self, error: BaseException) -> str | None:
         if self._watchdog is None:
             return None
