@@ -203,8 +203,11 @@ class Trainer(TrainerProperties):
             # Imported here: torch's elastic agent takes 150 ms to import, needed only to start processes.
             from torchyard.trainer.launch import elastic as launcher
             from torchyard.trainer.launch import ray_actors as ray_launcher
+            from torchyard.trainer.launch import replica_groups as groups_launcher
 
-            start = ray_launcher.launch if on_ray else launcher.launch
+            # Live recovery (strategies/ft): one group of processes per replica group, each restarted on its own.
+            start = ray_launcher.launch if on_ray else (groups_launcher.launch if self.strategy.replica_groups > 1
+                                                         else launcher.launch)
             outcome = start(self, stage, module, datamodule, ckpt, *loaders)
             # As after a stage run here, test() may follow fit() on the same module and datamodule.
             self.stage, self.module, self.datamodule = stage, module, datamodule
@@ -281,8 +284,10 @@ class Trainer(TrainerProperties):
             self._prepare_fit(module, datamodule, prepared, loaders)
         for callback in self.callbacks:
             callback.setup(self, module, stage)
-        if stage == "fit":  # an elastic restart continues from the newest good checkpoint of this run
-            checkpoint = resume_after_restart(self, checkpoint)
+        if stage == "fit":  # an elastic restart continues from the newest good checkpoint of this run, live recovery
+            # from a live peer's state (strategies/ft)
+            checkpoint = (strategy.join_replicas(self, checkpoint) if strategy.heals_from_peers
+                          else resume_after_restart(self, checkpoint))
         if checkpoint is not None:
             restore_checkpoint(self, checkpoint, full=stage == "fit")
             # The checkpoint's step was already written (if due) before it was saved; a micro-batch
