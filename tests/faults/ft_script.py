@@ -3,8 +3,10 @@ which tests/test_fault_tolerance.py runs in a subprocess and benchmarks/fault_to
 
     python ft_script.py <root> [--kill-at STEP] [--epochs N] [--groups N]
 
---kill-at: replica group 1 SIGKILLs itself inside its training step of global step STEP (after that step's quorum,
-before its gradient all-reduce), on its first attempt; the launcher restarts it and it heals from a live peer.
+--kill-at: replica group 1 SIGKILLs itself inside its training step (after that step's quorum, before its gradient
+all-reduce) at global step STEP or the first after it that all groups train, on its first attempt; the launcher
+restarts it and it heals from a live peer.
+--step-sleep: seconds each training step sleeps, so that the job lasts long enough for the restart to rejoin it.
 Every group appends '<group> <attempt> <global step> <unix time>' to <root>/commits.txt after each committed step.
 Prints 'accuracy <val/acc>' of the trained weights that the launching process adopted.
 """
@@ -17,9 +19,13 @@ import signal
 import time
 from pathlib import Path
 
+import sklearn.datasets  # noqa: F401  (imported here, the forkserver preloads it for every replica group's worker)
+from torch.utils.data import DataLoader
+
 from torchyard.callbacks import Callback
 from torchyard.recipes.digits import DigitsCNN, DigitsData
 from torchyard.trainer import Trainer
+from torchyard.trainer.data.samplers import EpochSampler
 
 BATCH, LR, EPOCHS, GROUPS = 32, 0.005, 5, 3
 
@@ -33,8 +39,9 @@ class KilledDigits(DigitsCNN):
     def training_step(self, batch, batch_idx):
         time.sleep(self.step_sleep)  # a job long enough for the killed group's restart to rejoin it
         strategy = self.trainer.strategy
-        if (self.trainer.global_step == self.kill_at and strategy.replica_group == 1
-                and strategy.environment.restart_count == 0):
+        if (0 <= self.kill_at <= self.trainer.global_step and strategy.replica_group == 1
+                and strategy.environment.restart_count == 0
+                and strategy.manager.num_participants() == strategy.replica_groups):
             os.kill(os.getpid(), signal.SIGKILL)
         return super().training_step(batch, batch_idx)
 
@@ -66,6 +73,20 @@ def accuracy(module: DigitsCNN, data: DigitsData) -> float:
     return float(evaluator.validate(module, datamodule=data, verbose=False)[0]["val/acc"])
 
 
+def reference_accuracy(epochs: int = EPOCHS, groups: int = GROUPS) -> float:
+    """The undisturbed run in this process, on the same global batches in the same order: one process trains
+    batches of groups x BATCH samples in the seeded order that the replica groups deal (data/samplers.EpochSampler,
+    which the loop reseeds each epoch), from the same seeded weights, without dropout (as the script's run)."""
+    trainer = Trainer(max_epochs=epochs, seed=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=epochs)
+    module, data = DigitsCNN(lr=LR, dropout=0.0), DigitsData(batch_size=BATCH)
+    data.setup("fit")
+    order = EpochSampler(data.train_set, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer.fit(module, DataLoader(data.train_set, batch_size=groups * BATCH, sampler=order),
+                data.val_dataloader())
+    return accuracy(module, data)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root", type=Path)
@@ -76,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     trainer = fault_tolerant_trainer(args.root, args.epochs, args.groups,
                                      callbacks=[CommitLog(str(args.root / "commits.txt"))])
-    module, data = KilledDigits(lr=LR), DigitsData(batch_size=BATCH)
+    module, data = KilledDigits(lr=LR, dropout=0.0), DigitsData(batch_size=BATCH)
     module.kill_at, module.step_sleep = args.kill_at, args.step_sleep  # on the instance: the workers get it pickled
     trainer.fit(module, datamodule=data)
     print(f"accuracy {accuracy(module, data):.4f}", flush=True)

@@ -50,8 +50,8 @@ def build_strategy(spec: str | Mapping[str, Any] | Strategy, processes: int = 1)
         if name not in FAULT_TOLERANT:
             raise MisconfigurationError(
                 f"strategy {name!r} cannot run fault_tolerance (live recovery on torchft runs on "
-                f"{', '.join(FAULT_TOLERANT)}; fsdp is not built yet); use strategy={{'name': 'ddp', 'fault_tolerance': "
-                "{...}} or drop fault_tolerance.")
+                f"{', '.join(FAULT_TOLERANT)}; fsdp is not built yet); use strategy={{'name': 'ddp', "
+                "'fault_tolerance': {...}} or drop fault_tolerance.")
         path = FAULT_TOLERANT[name]
     module, _, class_name = path.partition(":")
     cls = getattr(importlib.import_module(module), class_name)
