@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from processes import reaped
 
 from torchyard.trainer import Trainer
@@ -135,3 +136,18 @@ def test_three_replica_groups_lose_one_go_on_heal_it_and_train_each_sample_once(
     accuracy = float(output.split("accuracy ")[-1].split()[0])
     print(f"accuracy {accuracy:.4f}, undisturbed {undisturbed:.4f}")
     assert abs(accuracy - undisturbed) <= 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two replica groups on NCCL need two GPUs")
+def test_two_replica_groups_on_gpus_train_each_sample_once(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--groups", "2", "--epochs", "2",
+                             "--accelerator", "cuda"], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    with reaped([proc]):
+        output, _ = proc.communicate(timeout=130)
+    assert proc.returncode == 0, output[-4000:]
+    ledger = read_ledger(tmp_path / "default" / "version_0")
+    assert report(ledger) == ([f"epoch {e}: 1258 of 1258 samples trained, each exactly once" for e in range(2)], True)

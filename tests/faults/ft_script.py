@@ -1,7 +1,7 @@
 """The digits recipe under live recovery (strategy ddp with fault_tolerance): 3 replica groups of one process each,
 which tests/test_fault_tolerance.py runs in a subprocess and benchmarks/fault_tolerance.py times.
 
-    python ft_script.py <root> [--kill-at STEP] [--epochs N] [--groups N]
+    python ft_script.py <root> [--kill-at STEP] [--epochs N] [--groups N] [--step-sleep S] [--accelerator cuda]
 
 --kill-at: replica group 1 SIGKILLs itself inside its training step (after that step's quorum, before its gradient
 all-reduce) at global step STEP or the first after it that all groups train, on its first attempt; the launcher
@@ -59,11 +59,11 @@ class CommitLog(Callback):
                     f"{time.time():.4f}\n")
 
 
-def fault_tolerant_trainer(root: Path, epochs: int, groups: int, **options) -> Trainer:
+def fault_tolerant_trainer(root: Path, epochs: int, groups: int, accelerator: str = "cpu", **options) -> Trainer:
     strategy = {"name": "ddp", "fault_tolerance": {"replica_groups": groups, "min_replicas": 2, "timeout": 10.0}}
-    return Trainer(strategy=strategy, devices=1, max_epochs=epochs, seed=0, max_restarts=2, default_root_dir=str(root),
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   check_val_every_n_epoch=epochs, **options)
+    return Trainer(strategy=strategy, accelerator=accelerator, devices=1, max_epochs=epochs, seed=0, max_restarts=2,
+                   default_root_dir=str(root), enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, check_val_every_n_epoch=epochs, **options)
 
 
 def accuracy(module: DigitsCNN, data: DigitsData) -> float:
@@ -94,8 +94,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args()
-    trainer = fault_tolerant_trainer(args.root, args.epochs, args.groups,
+    trainer = fault_tolerant_trainer(args.root, args.epochs, args.groups, args.accelerator,
                                      callbacks=[CommitLog(str(args.root / "commits.txt"))])
     module, data = KilledDigits(lr=LR, dropout=0.0), DigitsData(batch_size=BATCH)
     module.kill_at, module.step_sleep = args.kill_at, args.step_sleep  # on the instance: the workers get it pickled

@@ -14,6 +14,7 @@ writes the logs, checkpoints and ledger; docs/fault-tolerance.md#live-recovery-t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -192,6 +193,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         """The Manager (it joins the lighthouse now: as late as possible, so that peers do not wait on a replica
         still setting up), and the module in torchft's DDP, whose gradients are all-reduced over each quorum."""
         torchft = require_torchft()
+        # torchft warns at every new quorum that it cannot reset NCCL's flight recorder (on CPU too); its errors stay.
+        logging.getLogger("torchft.manager").setLevel(logging.ERROR)
         super(DDPStrategy, self).setup_module(module)  # the base's: module on its device, no torch DDP
         environment = self.environment
         loopback = "127.0.0.1" in self.lighthouse_address or "localhost" in self.lighthouse_address
@@ -349,8 +352,14 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         return server, check_lighthouse(f"127.0.0.1:{port}")
 
     def group_variables(self, group: int, lighthouse: str) -> dict[str, str]:
-        """The environment variables that make a process one of replica group `group` (see setup_environment)."""
-        return {GROUP_VARIABLE: str(group), LIGHTHOUSE_VARIABLE: lighthouse}
+        """The environment variables that make a process one of replica group `group` (see setup_environment); on
+        CUDA, each group of the Trainer's own launch sees one GPU of this machine's, in turn."""
+        variables = {GROUP_VARIABLE: str(group), LIGHTHOUSE_VARIABLE: lighthouse}
+        if self.accelerator == "cuda":
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+            devices = [device for device in visible.split(",") if device.strip()]
+            variables["CUDA_VISIBLE_DEVICES"] = devices[group % len(devices)]
+        return variables
 
     # ------------------------------------------------------------------ teardown
     @override
