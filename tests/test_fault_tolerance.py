@@ -111,7 +111,7 @@ def test_three_replica_groups_lose_one_go_on_heal_it_and_train_each_sample_once(
 
     undisturbed = reference_accuracy()  # the same global batches in the same order, in this process
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--kill-at", "15", "--step-sleep", "0.08"],
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--kill-at", "15", "--step-sleep", "0.25"],
                             cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     with reaped([proc]):

@@ -6,7 +6,8 @@ which tests/test_fault_tolerance.py runs in a subprocess and benchmarks/fault_to
 --kill-at: replica group 1 SIGKILLs itself inside its training step (after that step's quorum, before its gradient
 all-reduce) at global step STEP or the first after it that all groups train, on its first attempt; the launcher
 restarts it and it heals from a live peer.
---step-sleep: seconds each training step sleeps, so that the job lasts long enough for the restart to rejoin it.
+--step-sleep: seconds each training step sleeps while a replica group is away (not started yet, or dead), so that the
+job lasts until the restarted one is back.
 Every group appends '<group> <attempt> <global step> <unix time>' to <root>/commits.txt after each committed step.
 Prints 'accuracy <val/acc>' of the trained weights that the launching process adopted.
 """
@@ -37,8 +38,9 @@ class KilledDigits(DigitsCNN):
     step_sleep = 0.0
 
     def training_step(self, batch, batch_idx):
-        time.sleep(self.step_sleep)  # a job long enough for the killed group's restart to rejoin it
         strategy = self.trainer.strategy
+        if strategy.manager.num_participants() < strategy.replica_groups:
+            time.sleep(self.step_sleep)  # while a group is away: the job lasts until the restarted one is back
         if (0 <= self.kill_at <= self.trainer.global_step and strategy.replica_group == 1
                 and strategy.environment.restart_count == 0
                 and strategy.manager.num_participants() == strategy.replica_groups):
@@ -59,9 +61,11 @@ class CommitLog(Callback):
                     f"{time.time():.4f}\n")
 
 
-def fault_tolerant_trainer(root: Path, epochs: int, groups: int, accelerator: str = "cpu", **options) -> Trainer:
+def fault_tolerant_trainer(root: Path, epochs: int, groups: int, accelerator: str = "cpu", max_restarts: int = 2,
+                           **options) -> Trainer:
     strategy = {"name": "ddp", "fault_tolerance": {"replica_groups": groups, "min_replicas": 2, "timeout": 10.0}}
-    return Trainer(strategy=strategy, accelerator=accelerator, devices=1, max_epochs=epochs, seed=0, max_restarts=2,
+    return Trainer(strategy=strategy, accelerator=accelerator, devices=1, max_epochs=epochs, seed=0,
+                   max_restarts=max_restarts,
                    default_root_dir=str(root), enable_progress_bar=False, enable_model_summary=False,
                    num_sanity_val_steps=0, check_val_every_n_epoch=epochs, **options)
 
@@ -95,8 +99,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--max-restarts", type=int, default=2)
     args = parser.parse_args()
-    trainer = fault_tolerant_trainer(args.root, args.epochs, args.groups, args.accelerator,
+    trainer = fault_tolerant_trainer(args.root, args.epochs, args.groups, args.accelerator, args.max_restarts,
                                      callbacks=[CommitLog(str(args.root / "commits.txt"))])
     module, data = KilledDigits(lr=LR, dropout=0.0), DigitsData(batch_size=BATCH)
     module.kill_at, module.step_sleep = args.kill_at, args.step_sleep  # on the instance: the workers get it pickled

@@ -132,9 +132,12 @@ class _GroupFailed(Exception):
 
 
 def _supervise(groups: list[ReplicaGroup], grace_s: float) -> dict[str, Any]:
-    """Watch the groups until every one has ended; restart a group that dies while its peers still train. Once one
-    group has finished, the others get `grace_s` to finish too (a group restarted then has no peer to heal from)."""
+    """Watch the groups until every one has ended; restart a group that dies while its peers still train (one out
+    of restarts is left out, and the others train on without it). Once one group has finished, the others get
+    `grace_s` to finish too (a group restarted then would have no peer to heal from). A job whose groups all died
+    raises the first one's failure."""
     running, outcomes = {group.index: group for group in groups}, {}
+    failures: list[tuple[ReplicaGroup, RunProcsResult]] = []
     first_done: float | None = None
     while running:
         for index, group in list(running.items()):
@@ -149,25 +152,38 @@ def _supervise(groups: list[ReplicaGroup], grace_s: float) -> dict[str, Any]:
             codes = [failure.exitcode for failure in result.failures.values()]
             if all(code in faults.STOPPED_EXIT_CODES for code in codes):
                 raise faults.Terminated(max(codes))
-            if first_done is None and group.restarts_left > 0:
-                how = _how(group, result)
-                group.restarts_left, group.attempt = group.restarts_left - 1, group.attempt + 1
-                print(f"trainer: replica group {index} {how}; restarting it ({group.attempt} of {group.max_restarts} "
-                      "restarts); the other groups train on.", file=sys.stderr, flush=True)
-                group.close()
-                group.start()
+            if _restarted(group, result, first_done is None):
                 running[index] = group
-            elif first_done is None:
-                error, keep = elastic._job_failure(ChildFailedError(f"replica group {index}", result.failures),
-                                                   group.workdir, group.processes, 0)
-                raise _GroupFailed(error, keep)
+            else:
+                failures.append((group, result))
         if first_done is not None and running and time.monotonic() - first_done > grace_s:
             break  # the groups still running wait for peers that have ended
         time.sleep(POLL_S)
     reported = outcomes.get(0) or next((o for o in outcomes.values() if o), None)
-    if not reported:
-        return {"result": None}
-    return reported.get(0) or next(iter(reported.values()))
+    if reported:
+        return reported.get(0) or next(iter(reported.values()))
+    if failures:
+        group, result = failures[0]
+        error, keep = elastic._job_failure(ChildFailedError(f"replica group {group.index}", result.failures),
+                                           group.workdir, group.processes, 0)
+        raise _GroupFailed(error, keep)
+    return {"result": None}
+
+
+def _restarted(group: ReplicaGroup, result: RunProcsResult, peers_train: bool) -> bool:
+    """Start a dead group's next attempt where it has restarts left and peers to heal from; say what happened."""
+    how = _how(group, result)
+    if not (peers_train and group.restarts_left > 0):
+        print(f"trainer: replica group {group.index} {how}; not restarted ("
+              + ("max_restarts used up" if peers_train else "its peers have finished")
+              + "); the other groups train on without it.", file=sys.stderr, flush=True)
+        return False
+    group.restarts_left, group.attempt = group.restarts_left - 1, group.attempt + 1
+    print(f"trainer: replica group {group.index} {how}; restarting it ({group.attempt} of {group.max_restarts} "
+          "restarts); the other groups train on.", file=sys.stderr, flush=True)
+    group.close()
+    group.start()
+    return True
 
 
 def _how(group: ReplicaGroup, result: RunProcsResult) -> str:

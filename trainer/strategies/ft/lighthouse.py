@@ -9,12 +9,13 @@ from typing import Any
 
 from torchyard.trainer.errors import MisconfigurationError
 
-#: How long the lighthouse waits, once it could form a quorum, for replicas that are alive but have not asked yet
-#: (a straggler joins at a later step instead); the pause the survivors see when a replica dies is about this long
-#: plus one step.
-JOIN_TIMEOUT_MS = 200
-#: A replica whose heartbeats stop this long is dead to the lighthouse.
-HEARTBEAT_TIMEOUT_MS = 5000
+#: How long the lighthouse waits, once it could form a quorum, for replicas that are alive (heartbeating) but have
+#: not asked yet: a replica that validates, writes a checkpoint or sets up a little longer than its peers is waited
+#: for, rather than left a step behind (which would end it, to heal when restarted). torchft's default.
+JOIN_TIMEOUT_MS = 60_000
+#: A replica whose heartbeats (every 100 ms) stop this long is dead to the lighthouse: the survivors' pause when a
+#: replica dies is about this long.
+HEARTBEAT_TIMEOUT_MS = 2000
 #: Seconds a given lighthouse has to accept a connection in the check before the launch.
 CONNECT_TIMEOUT_S = 3.0
 

@@ -1,13 +1,12 @@
-"""Each step's global batch dealt over the replica groups of that step's quorum, so that every sample of every
-epoch is trained exactly once however many replicas are alive.
-
-The epoch's order is the seeded one every replica draws alike (data/samplers.EpochSampler, from the seed and the
-epoch), cut into global batches of `replica_groups x batch_size` samples: global batch k is positions
-[k * G, (k + 1) * G) of it, whichever replicas train it. At each step, once the quorum is known, participant p of n
-takes the p-th of n near-equal contiguous parts. A step that does not commit is trained again on the same global
-batch (the strategy re-deals it over the next quorum), and the loop counts only committed steps, so the loop's
-batch count within the epoch is the cursor a restarted replica heals to, and the sample ledger (data/ledger.py)
-records global batches as one rank's (world 1, batch size G) positions.
+"""Each step's global batch dealt over the replica groups of that step's quorum, so that every sample of every epoch is
+trained exactly once however many replicas are alive. The epoch's order is the seeded one every replica draws alike
+(data/samplers.EpochSampler, from the seed and the epoch), cut into global batches of `replica_groups x batch_size`
+samples: global batch k is positions [k * G, (k + 1) * G) of it, whichever replicas train it. At each step, once the
+quorum is known, participant p of n takes the p-th of n near-equal contiguous parts, and weighs its mean loss by n x
+its share of the batch, so that the quorum's average gradient is the global batch's mean one. A step that does not
+commit is trained again on the same global batch (the strategy re-deals it over the next quorum), and the loop
+counts only committed steps, so the loop's batch count within the epoch is the cursor a restarted replica heals to,
+and the sample ledger (data/ledger.py) records global batches as one rank's (world 1, batch size G) positions.
 """
 
 from __future__ import annotations
@@ -40,6 +39,8 @@ class ReplicaSlices(ResumableBatchSampler):
         super().__init__(sampler, global_batch, drop_last)
         self.quorum = quorum
         self.current: list[int] = []  # the global batch of the step in progress
+        #: participants x this replica's share of it: the weight of its part's mean loss (see replica_weight)
+        self.weight = 1.0
 
     def __iter__(self) -> Iterator[list[int]]:
         return self._parts(super().__iter__())
@@ -47,7 +48,10 @@ class ReplicaSlices(ResumableBatchSampler):
     def _parts(self, batches: Iterator[list[int]]) -> Iterator[list[int]]:
         for batch in batches:
             self.current = batch
-            yield replica_part(batch, *self.quorum())
+            place, participants = self.quorum()
+            part = replica_part(batch, place, participants)
+            self.weight = participants * len(part) / len(batch)
+            yield part
 
 
 class StepBatches:
@@ -59,6 +63,7 @@ class StepBatches:
     def refetch(self, place: int, participants: int) -> Any:
         """This replica's part of the current global batch under a quorum of `participants`, collated."""
         indices = replica_part(self.slices.current, place, participants)
+        self.slices.weight = participants * len(indices) / len(self.slices.current)
         get_items = getattr(self.dataset, "__getitems__", None)
         items = get_items(indices) if get_items is not None else [self.dataset[i] for i in indices]
         return self.collate_fn(items)

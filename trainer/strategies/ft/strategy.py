@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from torchyard.trainer.cluster.environment import ClusterEnvironment
+from torchyard.trainer.cluster.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.data.loaders import prepare_loader
 from torchyard.trainer.errors import MisconfigurationError, closest
 from torchyard.trainer.strategies.ddp import DDPStrategy
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 #: Which replica group a process belongs to, and the lighthouse's address ('http://host:port', torchft's own
 #: variable): set by the Trainer's launcher of replica groups, or by hand for torchrun per group. Read here only.
 GROUP_VARIABLE, LIGHTHOUSE_VARIABLE = "TORCHYARD_REPLICA_GROUP", "TORCHFT_LIGHTHOUSE"
+#: Quorums a replica asks for before it trains, where one fails (a peer died in it, a heal's state did not arrive).
+JOIN_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self._healed: dict[str, Any] | None = None  # a live peer's state that the last quorum handed this replica
         self._step_batches: StepBatches | None = None
         self._batch_idx = 0
+        self._alone: ClusterEnvironment | None = None  # see detect_environment
 
     # ------------------------------------------------------------------ checks before any process starts
     @override
@@ -171,6 +174,17 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     @override
     def data_parallel_rank(self) -> int:
         return self.replica_group * self.world_size + self.global_rank
+
+    @override
+    def detect_environment(self) -> ClusterEnvironment:
+        """As ddp detects it; but a process started alone as one replica group (TORCHYARD_REPLICA_GROUP set, with
+        no launcher of its own: by hand, or one SLURM job step per group) is a launched group of one process."""
+        environment = super().detect_environment()
+        if environment.launched or GROUP_VARIABLE not in os.environ:
+            return environment
+        if self._alone is None:  # asked several times: the same store port each time
+            self._alone = ClusterEnvironment(name="replica-group", master_port=find_free_port())
+        return self._alone
 
     @override
     def setup_environment(self, environment: ClusterEnvironment) -> None:
@@ -233,7 +247,13 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         """The first step's quorum, asked for before training: a replica behind its peers (restarted, or started
         late) gets a live peer's training state here, which the Trainer restores as it would a checkpoint."""
         self._trainer = trainer
-        self.manager.start_quorum()
+        for _ in range(JOIN_ATTEMPTS):
+            self.manager.start_quorum()
+            if self.manager.errored() is None:
+                break  # else the quorum or the heal failed (a peer died in it, or its state did not arrive): again
+        else:
+            raise RuntimeError(f"replica group {self.replica_group} could not join its peers in {JOIN_ATTEMPTS} "
+                               f"quorums: {self.manager.errored()}")
         self._quorum_ready = True
         healed, self._healed = self._healed, None
         if healed is None:
@@ -281,8 +301,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         """At each step's start, before its batch is drawn: this step's quorum, and this replica's place in it."""
         if not self._quorum_ready:
             self.manager.start_quorum()
-            if self._healed is not None:  # behind its peers without having noticed (should not happen)
-                self._take_peer_step()
+            if self._healed is not None:  # behind its peers without having noticed: _take_peer_step refuses it
+                self._take_peer_step(ahead=0)
         self._quorum_ready = False
         place = self.manager.participating_rank()
         return (0 if place is None else place), max(1, self.manager.num_participants())
@@ -295,6 +315,14 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             return super(DDPStrategy, self).training_step(batch, batch_idx)
         with self.precision.autocast():
             return self.model("training_step", batch, batch_idx)
+
+    @override
+    def forward_backward(self, batch: Any, batch_idx: int, loss_scale: float,
+                         before_backward: Callable[[torch.Tensor], None] | None) -> Any:
+        """Each replica's loss (a mean over its part) weighted by its part's share of the global batch: averaged over
+        the quorum, the gradient is then the whole global batch's mean one, however unevenly the parts split."""
+        weight = self._step_batches.slices.weight if self._step_batches is not None else 1.0
+        return super().forward_backward(batch, batch_idx, loss_scale * weight, before_backward)
 
     @override
     def no_backward_sync(self) -> Any:
@@ -316,7 +344,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         optimizer.zero_grad(set_to_none=True)  # torchft: a failed all-reduce may have left them half-summed
         self.manager.start_quorum()
         if self._healed is not None:
-            self._take_peer_step()
+            self._take_peer_step(ahead=1)
             self._quorum_ready = True  # the peers' next step's quorum: this replica's next batch is drawn under it
             return True
         assert self._step_batches is not None
@@ -328,12 +356,19 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self.clip_gradients(optimizer, float(config.gradient_clip_val), config.gradient_clip_algorithm)
         return False
 
-    def _take_peer_step(self) -> None:
+    def _take_peer_step(self, ahead: int) -> None:
         """The peers committed the step in progress without this replica: take their weights and optimizer state
         after it. The loop then counts the step as this replica's too and steps the schedulers as they did, so the
-        optimizer's own hyperparameters (the rate a scheduler sets) stay this replica's, from before the step."""
+        optimizer's own hyperparameters (the rate a scheduler sets) stay this replica's, from before the step.
+
+        Only where the peers are exactly `ahead` steps (that one) further: a replica further behind, whose loop
+        would train other samples than its peers, ends instead, and its restart heals before it trains."""
         healed, self._healed = self._healed, None
         assert healed is not None and self.module is not None
+        theirs, ours = healed["loops"]["progress"]["global_step"], self._trainer.progress.global_step
+        if theirs != ours + ahead:
+            raise RuntimeError(f"replica group {self.replica_group} is at global step {ours}, its peers at {theirs}: "
+                               "it cannot go on beside them mid-epoch and ends, to heal when it is restarted.")
         self.module.load_state_dict(healed["state_dict"])
         for optimizer, state in zip(self._trainer.optimizers, healed["optimizer_states"], strict=True):
             own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
