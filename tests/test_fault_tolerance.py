@@ -109,12 +109,13 @@ def test_three_replica_groups_lose_one_go_on_heal_it_and_train_each_sample_once(
     sys.path.insert(0, str(FAULTS))
     from ft_script import reference_accuracy
 
-    undisturbed = reference_accuracy()  # the same global batches in the same order, in this process
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--kill-at", "15", "--step-sleep", "0.25"],
                             cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     with reaped([proc]):
+        # While the groups start: the undisturbed run, on the same global batches in the same order, in this process.
+        undisturbed = reference_accuracy()
         output, _ = proc.communicate(timeout=130)
     assert proc.returncode == 0, output[-4000:]
     assert "trainer: replica group 1 lost process 0 to SIGKILL; restarting it (1 of 2 restarts)" in output, output
