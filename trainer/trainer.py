@@ -284,15 +284,15 @@ class Trainer(TrainerProperties):
             self._prepare_fit(module, datamodule, prepared, loaders)
         for callback in self.callbacks:
             callback.setup(self, module, stage)
-        if stage == "fit":  # an elastic restart continues from the newest good checkpoint of this run, live recovery
-            # from a live peer's state (strategies/ft)
-            checkpoint = (strategy.join_replicas(self, checkpoint) if strategy.heals_from_peers
-                          else resume_after_restart(self, checkpoint))
-        if checkpoint is not None:
-            restore_checkpoint(self, checkpoint, full=stage == "fit")
-            # The checkpoint's step was already written (if due) before it was saved; a micro-batch
-            # that follows it without stepping must not write a second row for the same step.
-            self.metrics.rows.last_logged_step = self.progress.batches_stepped
+        if stage == "fit" and not strategy.heals_from_peers:  # an elastic restart continues from the newest good
+            checkpoint = resume_after_restart(self, checkpoint)  # checkpoint of this run
+        # Live recovery (strategies/ft): once this replica's own state is in place, a live peer's where it is behind.
+        for state in (checkpoint, strategy.join_replicas(self) if stage == "fit" else None):
+            if state is not None:
+                restore_checkpoint(self, state, full=stage == "fit")
+                # The checkpoint's step was already written (if due) before it was saved; a micro-batch
+                # that follows it without stepping must not write a second row for the same step.
+                self.metrics.rows.last_logged_step = self.progress.batches_stepped
         write_run_files(self)
         return prepared
 

@@ -81,8 +81,8 @@ class Strategy(ABC):
     #: for workers that run at their own pace (ps), which then settle SIGTERM and NaN losses each on its own.
     steps_in_lockstep: ClassVar[bool] = True
     plannable: ClassVar[bool] = True  #: `trainer plan` can run its step on fake tensors (setup_module_to_plan)
-    #: A restarted process takes a live peer's state (join_replicas: live recovery, strategies/ft) rather than the
-    #: run's newest checkpoint.
+    #: A restarted process takes a live peer's state (join_replicas: live recovery, strategies/ft) rather than
+    #: reading the run's newest checkpoint.
     heals_from_peers: ClassVar[bool] = False
 
     def __init__(self) -> None:
@@ -249,11 +249,11 @@ class Strategy(ABC):
         """Take back what state_dict returned, after the weights and optimizer states were restored."""
         return None
 
-    def join_replicas(self, trainer: Any, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Before a fit trains, where heals_from_peers: the state to start from, a live peer's where this process
-        is behind the others (live recovery), else `checkpoint`. Called on every rank, once the optimizers and
-        callbacks are set up."""
-        return checkpoint
+    def join_replicas(self, trainer: Any) -> dict[str, Any] | None:
+        """Before a fit trains, once this process's own state (a checkpoint's, if any) is in place: a live peer's
+        training state where this process is behind the others (live recovery), which the Trainer then restores as
+        it restores a checkpoint; None to train on from here."""
+        return None
 
     def communication_seconds(self) -> float:
         """Seconds this rank has waited for gradient communication since set-up, where the strategy times it."""

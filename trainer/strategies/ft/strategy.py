@@ -243,10 +243,13 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         return optimizers
 
     @override
-    def join_replicas(self, trainer: Any, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+    def join_replicas(self, trainer: Any) -> dict[str, Any] | None:
         """The first step's quorum, asked for before training: a replica behind its peers (restarted, or started
-        late) gets a live peer's training state here, which the Trainer restores as it would a checkpoint."""
+        late) gets a live peer's training state here, which the Trainer restores as it would a checkpoint. Its
+        step in torchft's count is the loop's, so that replicas that resumed a checkpoint lead fresh ones."""
         self._trainer = trainer
+        progress = trainer.progress
+        self.manager.load_state_dict({"step": progress.global_step, "batches_committed": progress.global_step})
         for _ in range(JOIN_ATTEMPTS):
             self.manager.start_quorum()
             if self.manager.errored() is None:
@@ -261,7 +264,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 print(f"trainer: replica group {self.replica_group} restarted, but no live peer is ahead of it to heal "
                       "from (were all groups lost?): it trains from the start; fit(ckpt_path='last') resumes a run "
                       "from its last checkpoint instead.", file=sys.stderr, flush=True)
-            return checkpoint
+            return None
         step = healed.get("loops", {}).get("progress", {}).get("global_step", "?")
         print(f"trainer: replica group {self.replica_group} healed from a live peer: training state of global step "
               f"{step} (no checkpoint read).", file=sys.stderr, flush=True)
