@@ -2,6 +2,7 @@
 which tests/test_fault_tolerance.py runs in a subprocess and benchmarks/fault_tolerance.py times.
 
     python ft_script.py <root> [--kill-at STEP] [--epochs N] [--groups N] [--step-sleep S] [--accelerator cuda]
+                         [--max-restarts N] [--ckpt-path last]
 
 --kill-at: replica group 1 SIGKILLs itself inside its training step (after that step's quorum, before its gradient
 all-reduce) at global step STEP or the first after it that all groups train, on its first attempt; the launcher
@@ -100,12 +101,13 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--max-restarts", type=int, default=2)
+    parser.add_argument("--ckpt-path", default=None)
     args = parser.parse_args()
     trainer = fault_tolerant_trainer(args.root, args.epochs, args.groups, args.accelerator, args.max_restarts,
                                      callbacks=[CommitLog(str(args.root / "commits.txt"))])
     module, data = KilledDigits(lr=LR, dropout=0.0), DigitsData(batch_size=BATCH)
     module.kill_at, module.step_sleep = args.kill_at, args.step_sleep  # on the instance: the workers get it pickled
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
     print(f"accuracy {accuracy(module, data):.4f}", flush=True)
 
 

@@ -184,9 +184,10 @@ class Strategy(ABC):
         return self.global_rank == 0
 
     @property
-    def decides_run_folder(self) -> bool:
-        """This process settles the run folder's version for the ranks it can reach (rank 0; under live recovery
-        each replica group's first process, which all find the one the launcher chose)."""
+    def decides_for_ranks(self) -> bool:
+        """This process decides what rank 0 decides for the ranks it can reach (the run folder's version, the checkpoint
+        to resume) and broadcasts it: rank 0; under live recovery each replica group's first process, which all find
+        the same files."""
         return self.is_global_zero
 
     @property

@@ -162,8 +162,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
 
     @property
     @override
-    def decides_run_folder(self) -> bool:
-        return self.global_rank == 0  # every group's first process: each finds the folder the launcher chose
+    def decides_for_ranks(self) -> bool:
+        return self.global_rank == 0  # every group's first process: each finds the folder and files group 0's does
 
     @property
     @override
