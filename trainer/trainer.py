@@ -286,15 +286,20 @@ class Trainer(TrainerProperties):
             callback.setup(self, module, stage)
         if stage == "fit" and not strategy.heals_from_peers:  # an elastic restart continues from the newest good
             checkpoint = resume_after_restart(self, checkpoint)  # checkpoint of this run
+        if checkpoint is not None:
+            self._restore(checkpoint, full=stage == "fit")
         # Live recovery (strategies/ft): once this replica's own state is in place, a live peer's where it is behind.
-        for state in (checkpoint, strategy.join_replicas(self) if stage == "fit" else None):
-            if state is not None:
-                restore_checkpoint(self, state, full=stage == "fit")
-                # The checkpoint's step was already written (if due) before it was saved; a micro-batch
-                # that follows it without stepping must not write a second row for the same step.
-                self.metrics.rows.last_logged_step = self.progress.batches_stepped
+        healed = strategy.join_replicas(self) if stage == "fit" else None
+        if healed is not None:
+            self._restore(healed, full=True)
         write_run_files(self)
         return prepared
+
+    def _restore(self, checkpoint: dict[str, Any], full: bool) -> None:
+        restore_checkpoint(self, checkpoint, full=full)
+        # The checkpoint's step was already written (if due) before it was saved; a micro-batch
+        # that follows it without stepping must not write a second row for the same step.
+        self.metrics.rows.last_logged_step = self.progress.batches_stepped
 
     def _prepare_fit(self, module: TrainModule, datamodule: DataModule | None, prepared: list[DataLoader],
                      loaders: tuple[Any, ...]) -> None:
