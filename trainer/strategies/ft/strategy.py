@@ -2,13 +2,13 @@
 
 The job is `replica_groups` independent groups of processes (one process each, for now), each its own torch process
 group, restarted on its own when it dies. Every step asks torchft's lighthouse for a quorum of the groups alive
-(torchft's Manager, one per process), all-reduces gradients over that quorum only (torchft's DDP), and applies the
-step only where every participant finished it (`should_commit`); a step that does not commit (a peer died in it) is
-trained again on the same samples under the next quorum. A restarted group asks for its first quorum before
-training, and torchft hands it a live peer's whole training state (weights, optimizer, counters, the sample
-ledger; no checkpoint read), from which it goes on as from a checkpoint. Each step's global batch is dealt over the
-quorum's participants (slices.py), so every sample of every epoch is trained exactly once. Group 0's first process
-writes the logs, checkpoints and ledger; docs/fault-tolerance.md#live-recovery-torchft says what it costs.
+(torchft's Manager, one per process), all-reduces gradients over that quorum only (DDP's hook into the Manager), and
+applies the step only where every participant finished it (`should_commit`); a step that does not commit (a peer died
+in it) is trained again on the same samples under the next quorum. A restarted group asks for its first quorum before
+training, and torchft hands it a live peer's whole training state (weights, optimizer, counters, the sample ledger; no
+checkpoint read), from which it goes on as from a checkpoint. Each step's global batch is dealt over the quorum's
+participants (slices.py), so every sample of every epoch is trained exactly once. Group 0's first process writes the
+logs, checkpoints and ledger; docs/fault-tolerance.md#live-recovery-torchft says what it costs.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     @override
     def setup_module(self, module: TrainModule) -> None:
         """The Manager (it joins the lighthouse now: as late as possible, so that peers do not wait on a replica
-        still setting up), and the module in torchft's DDP, whose gradients are all-reduced over each quorum."""
+        still setting up), and the module in DDP, whose gradients are all-reduced over each quorum by the Manager."""
         torchft = require_torchft()
         # torchft warns at every new quorum that it cannot reset NCCL's flight recorder (on CPU too); its errors stay.
         logging.getLogger("torchft.manager").setLevel(logging.ERROR)
