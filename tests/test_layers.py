@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     #    packages
     f"{T}.errors": 0, **{f"{T}.{folder}": 0 for folder in (
         "checkpointing", "cli", "cluster", "data", "evaluation", "launch", "logs", "loop", "scaling", "strategies.ps",
-        "strategies.pipeline", "compile", "diagnosis")},
+        "strategies.pipeline", "compile", "diagnosis", "strategies.ft")},
     # 1: leaf helpers that import nothing of the framework but errors: the process environment, seeding, run
     #    folders, fault signals, checkpoint files, batch order and device moves, the Callback interface, where
     #    the running script called us (under its main guard or not), and glibc's malloc settings
@@ -63,6 +63,9 @@ LAYERS: dict[str, int] = {
     f"{T}.strategies.fsdp_checkpoint": 10,
     f"{T}.strategies.ddp": 11, f"{T}.strategies.ps.client": 11, f"{T}.strategies.fsdp": 11,
     f"{T}.strategies.ps.strategy": 12, f"{T}.strategies.pipeline.strategy": 12,
+    #     live recovery on torchft: the lighthouse and torchft itself, each step's global batch dealt over the
+    #     replicas alive, then ddp over replica groups
+    f"{T}.strategies.ft.lighthouse": 1, f"{T}.strategies.ft.slices": 2, f"{T}.strategies.ft.strategy": 12,
     # 13: the pieces of a run: loop counters, one step, checkpoint state, hook dispatch, resuming
     f"{T}.loop.progress": 13, f"{T}.loop.step": 13, f"{T}.checkpointing.state": 13, f"{T}.loop.hooks": 13,
     f"{T}.checkpointing.resume": 13,
@@ -80,6 +83,8 @@ LAYERS: dict[str, int] = {
     # 17: what the Trainer calls before a stage (option and module checks, default callbacks), to start processes,
     #     and the read-only state it shows
     f"{T}.preflight": 17, f"{T}.launch.elastic": 17, f"{T}.launch.ray_actors": 17, f"{T}.trainer_properties": 17,
+    #     and the launch of a live-recovery job's replica groups, each restarted on its own
+    f"{T}.launch.replica_groups": 17,
     # 18: the Trainer
     f"{T}.trainer": 18,
     # 19: the package's public names (lazily), recipe class checks
@@ -98,6 +103,7 @@ LAYERS: dict[str, int] = {
 # Same-layer imports that are allowed, (importer, imported): reason.
 SAME_LAYER: dict[tuple[str, str], str] = {
     (f"{T}.launch.ray_actors", f"{T}.launch.elastic"): "a Ray worker's failure is raised as a self-launched one's",
+    (f"{T}.launch.replica_groups", f"{T}.launch.elastic"): "each replica group's workers are the self-launch's",
 }
 
 CLI_REASON = "the CLI imports the framework (and with it torch) inside a command, so that `trainer --help` is fast"
@@ -120,6 +126,8 @@ FUNCTION_LOCAL: dict[tuple[str, str], str] = {
     (f"{T}.cli.main", f"{T}.evaluation.evaluator"): CLI_REASON,
     (f"{T}.cli.main", f"{T}.diagnosis.doctor"): CLI_REASON,
     (f"{T}.trainer", f"{T}.launch.ray_actors"): "it imports the elastic agent's launcher; only launcher='ray' needs it",
+    (f"{T}.trainer", f"{T}.launch.replica_groups"): "it imports the elastic agent's launcher; only fault_tolerance "
+                                                   "needs it",
     (f"{T}.config", f"{T}.logs.loggers"): "every folder reads the option schema, so it sits below the loggers it names",
 }
 

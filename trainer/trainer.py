@@ -206,8 +206,11 @@ class Trainer(TrainerProperties):
             # Imported here: torch's elastic agent takes 150 ms to import, needed only to start processes.
             from torchyard.trainer.launch import elastic as launcher
             from torchyard.trainer.launch import ray_actors as ray_launcher
+            from torchyard.trainer.launch import replica_groups as groups_launcher
 
-            start = ray_launcher.launch if on_ray else launcher.launch
+            # Live recovery (strategies/ft): one group of processes per replica group, each restarted on its own.
+            start = ray_launcher.launch if on_ray else (groups_launcher.launch if self.strategy.replica_groups > 1
+                                                         else launcher.launch)
             outcome = start(self, stage, module, datamodule, ckpt, *loaders)
             # As after a stage run here, test() may follow fit() on the same module and datamodule.
             self.stage, self.module, self.datamodule = stage, module, datamodule
@@ -284,16 +287,23 @@ class Trainer(TrainerProperties):
             self._prepare_fit(module, datamodule, prepared, loaders)
         for callback in self.callbacks:
             callback.setup(self, module, stage)
-        if stage == "fit":  # an elastic restart continues from the newest good checkpoint of this run
-            checkpoint = resume_after_restart(self, checkpoint)
+        if stage == "fit" and not strategy.heals_from_peers:  # an elastic restart continues from the newest good
+            checkpoint = resume_after_restart(self, checkpoint)  # checkpoint of this run
         if checkpoint is not None:
-            restore_checkpoint(self, checkpoint, full=stage == "fit")
-            # The checkpoint's step was already written (if due) before it was saved; a micro-batch
-            # that follows it without stepping must not write a second row for the same step.
-            self.metrics.rows.last_logged_step = self.progress.batches_stepped
+            self._restore(checkpoint, full=stage == "fit")
+        # Live recovery (strategies/ft): once this replica's own state is in place, a live peer's where it is behind.
+        healed = strategy.join_replicas(self) if stage == "fit" else None
+        if healed is not None:
+            self._restore(healed, full=True)
         write_run_files(self)
         self._live_job_file = announce_live_job(self)
         return prepared
+
+    def _restore(self, checkpoint: dict[str, Any], full: bool) -> None:
+        restore_checkpoint(self, checkpoint, full=full)
+        # The checkpoint's step was already written (if due) before it was saved; a micro-batch
+        # that follows it without stepping must not write a second row for the same step.
+        self.metrics.rows.last_logged_step = self.progress.batches_stepped
 
     def _prepare_fit(self, module: TrainModule, datamodule: DataModule | None, prepared: list[DataLoader],
                      loaders: tuple[Any, ...]) -> None:

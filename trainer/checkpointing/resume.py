@@ -175,7 +175,7 @@ def load_newest(
     """Rank 0 picks the best loadable checkpoint in `folders` (ranked_checkpoints), warning about every file that
     does not load (it may have held later steps); every rank loads the choice."""
     choice, checkpoint = None, None
-    if strategy.is_global_zero:
+    if strategy.decides_for_ranks:
         readable, skipped = ranked_checkpoints(folders, resumable)
         for path in readable:
             try:

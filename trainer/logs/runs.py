@@ -138,7 +138,7 @@ class RunFolder:
     def settle(self, strategy: Strategy, checkpoint: dict[str, Any], loggers: list[Logger]) -> None:
         """Choose every version of a stage once, on rank 0, for every rank: a logger's restored one where a resumed
         checkpoint holds this run's state, else the folder of the job's earlier attempts, else a new one."""
-        saved, rank_zero = checkpoint.get("loggers", []), strategy.is_global_zero
+        saved, rank_zero = checkpoint.get("loggers", []), strategy.decides_for_ranks
         for index, logger in enumerate(loggers):
             if index < len(saved) and logger.continues(saved[index]):
                 logger.load_state_dict(saved[index])  # resume in the same run folder, same rows

@@ -21,6 +21,10 @@ STRATEGIES: dict[str, str] = {
     "ps": "torchyard.trainer.strategies.ps.strategy:ParameterServerStrategy",
 }
 
+#: name -> its fault-tolerant form (live recovery on torchft, strategies/ft), built where the options hold
+#: `fault_tolerance`.
+FAULT_TOLERANT: dict[str, str] = {"ddp": "torchyard.trainer.strategies.ft.strategy:FaultTolerantDDPStrategy"}
+
 
 def build_strategy(spec: str | Mapping[str, Any] | Strategy, processes: int = 1) -> Strategy:
     """A Strategy from a registry name, a mapping `{name: ..., **options}`, or an instance; 'auto' is 'ddp' for a
@@ -41,7 +45,15 @@ def build_strategy(spec: str | Mapping[str, Any] | Strategy, processes: int = 1)
         raise MisconfigurationError(
             f"strategy={name!r} is not known{closest(name, STRATEGIES)}; known strategies: {', '.join(STRATEGIES)}."
         )
-    module, _, class_name = STRATEGIES[name].partition(":")
+    path = STRATEGIES[name]
+    if "fault_tolerance" in options:
+        if name not in FAULT_TOLERANT:
+            raise MisconfigurationError(
+                f"strategy {name!r} cannot run fault_tolerance (live recovery on torchft runs on "
+                f"{', '.join(FAULT_TOLERANT)}; fsdp is not built yet); use strategy={{'name': 'ddp', "
+                "'fault_tolerance': {...}} or drop fault_tolerance.")
+        path = FAULT_TOLERANT[name]
+    module, _, class_name = path.partition(":")
     cls = getattr(importlib.import_module(module), class_name)
     parameters = inspect.signature(cls).parameters.values()
     known = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -81,6 +81,9 @@ class Strategy(ABC):
     #: for workers that run at their own pace (ps), which then settle SIGTERM and NaN losses each on its own.
     steps_in_lockstep: ClassVar[bool] = True
     plannable: ClassVar[bool] = True  #: `trainer plan` can run its step on fake tensors (setup_module_to_plan)
+    #: A restarted process takes a live peer's state (join_replicas: live recovery, strategies/ft) rather than
+    #: reading the run's newest checkpoint.
+    heals_from_peers: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.accelerator = "cpu"
@@ -108,6 +111,9 @@ class Strategy(ABC):
         #: Rank 0 has checkpoint work in flight (CheckpointFiles), which the next optimizer step waits for.
         self.checkpoint_in_flight = False
         self.compile_record: CompileRecord | None = None  # what compile_module compiled, for the reports
+        #: Independent groups of processes the job runs, each restarted on its own when it dies (live recovery,
+        #: strategies/ft: the Trainer's launch/replica_groups.py starts them); 1: the job is one group.
+        self.replica_groups = 1
 
     # ------------------------------------------------------------------ required
     @abstractmethod
@@ -178,6 +184,13 @@ class Strategy(ABC):
         return self.global_rank == 0
 
     @property
+    def decides_for_ranks(self) -> bool:
+        """This process decides what rank 0 decides for the ranks it can reach (the run folder's version, the checkpoint
+        to resume) and broadcasts it: rank 0; under live recovery each replica group's first process, which all find
+        the same files."""
+        return self.is_global_zero
+
+    @property
     def data_parallel_size(self) -> int:
         """How many replicas see different data (sampler shards, LR scaling)."""
         return self.world_size
@@ -235,6 +248,12 @@ class Strategy(ABC):
 
     def load_state_dict(self, state: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
         """Take back what state_dict returned, after the weights and optimizer states were restored."""
+        return None
+
+    def join_replicas(self, trainer: Any) -> dict[str, Any] | None:
+        """Before a fit trains, once this process's own state (a checkpoint's, if any) is in place: a live peer's
+        training state where this process is behind the others (live recovery), which the Trainer then restores as
+        it restores a checkpoint; None to train on from here."""
         return None
 
     def communication_seconds(self) -> float:
