@@ -185,9 +185,8 @@ class Strategy(ABC):
 
     @property
     def decides_for_ranks(self) -> bool:
-        """This process decides what rank 0 decides for the ranks it can reach (the run folder's version, the checkpoint
-        to resume) and broadcasts it: rank 0; under live recovery each replica group's first process, which all find
-        the same files."""
+        """This process picks the run folder's version and the checkpoint to resume for the ranks it reaches: rank 0;
+        under live recovery, each replica group's first process (they all find the same files)."""
         return self.is_global_zero
 
     @property
