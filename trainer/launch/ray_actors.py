@@ -42,6 +42,14 @@ SETTLE_SECONDS = 2.0
 
 def import_ray() -> Any:
     """The ray module, or a one-line error saying how to install it."""
+    if not sys.stdout.isatty():
+        # Ray prefixes each line of the workers' output it prints here with "(rank 0 pid=...)" in colour codes,
+        # also into a file or a pipe; Ray's documented RAY_COLOR_PREFIX=0 leaves them out (a user's choice wins).
+        # Its de-duplication of lines repeated within seconds ("[repeated 2x across cluster]", after a restart
+        # say) writes colour codes whatever that says, and hides lines a log file should keep: off too (Ray reads
+        # RAY_DEDUP_LOGS on import, so it is set before).
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         import ray  # optional: only launcher="ray" needs it
     except ImportError as err:
@@ -73,10 +81,6 @@ def connect(ray: Any, address: str | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None and address not in ("auto", "local"):
         check_reachable(address)
-    if not sys.stdout.isatty():
-        # Ray prefixes each line of the workers' output it prints here with "(rank 0 pid=...)" in colour codes,
-        # also into a file or a pipe; Ray's documented RAY_COLOR_PREFIX=0 leaves them out (a user's choice wins).
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     except ConnectionError as err:
