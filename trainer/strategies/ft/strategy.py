@@ -223,6 +223,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             connect_timeout=timedelta(seconds=self.ft.quorum_timeout),
             # The quorum is settled before the step's batch is drawn: its part of the global batch depends on it.
             use_async_quorum=False, **({"hostname": "127.0.0.1"} if loopback else {}))
+        _quiet_checkpoint_server(self.manager)
         if any(p.requires_grad for p in module.parameters()):
             # torchft's DistributedDataParallel, with a hook that survives a failed all-reduce (torchft 0.2's own
             # asserts there, which ended the survivors of a peer that died mid-step): torch's DDP on a one-process
@@ -407,6 +408,16 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self.manager.shutdown(wait=False)
             self.manager = None
         super().teardown()
+
+
+def _quiet_checkpoint_server(manager: Any) -> None:
+    # torchft serves a replica's state to a healing peer over http.server, whose handler logs every request on
+    # stderr ('"GET /checkpoint/0/full HTTP/1.1" 200'): lines in every user's output that say nothing to them.
+    # torchft is pinned below 0.3 (pyproject's `ft` extra); where its layout differs, the lines just stay.
+    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
+    handler = getattr(server, "RequestHandlerClass", None)
+    if handler is not None:
+        handler.log_message = lambda *args: None
 
 
 def all_reduce_over_quorum(manager, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
