@@ -43,7 +43,7 @@ test: $(BIN)/.installed-dev
 	$(BIN)/pytest -q -m "not slow" -n $(WORKERS); fast=$$?; $(BIN)/pytest -q -m slow; slow=$$?; \
 	exit $$(( fast || slow ))
 
-# The developer loop: everything but the slow tests (a few minutes on 2 cores).
+# The developer loop: everything but the slow tests (about a minute on 2 cores).
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow" -n $(WORKERS)
 
