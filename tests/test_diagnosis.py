@@ -17,6 +17,7 @@ import pytest
 from diagnosis import cases
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment, find_free_port
+from torchyard.trainer.diagnosis.flight_recorder import describe
 from torchyard.trainer.diagnosis.markers import Marker, Position, live_frames, position_of
 from torchyard.trainer.diagnosis.stragglers import StragglerWatch, slowest_rank
 from torchyard.trainer.diagnosis.watchdog import HANG_GRACE_S, format_report
@@ -112,10 +113,34 @@ def test_a_stuck_rank_is_named_with_its_line_and_the_job_ends_soon_after_the_tim
     rank_lines = str(caught.value).splitlines()[1:3]
     assert re.match(rf"  rank 0 \(.*\): waits in {WAITS_IN[strategy]}; still for \d+ s", rank_lines[0])
     assert "rank 1 (" in rank_lines[1] and f"runs the user's code, in {function.__name__} at " in rank_lines[1]
+    if strategy in ("ddp", "fsdp"):  # torch's own record of rank 0's collectives (gloo's, since torch 2.7 or so)
+        # gloo records no completion and retires a failed collective too: the stuck one is the one issued `timeout`
+        # seconds ago.
+        expected = (r"^torch's flight recorder on rank 0, the last collective of each group: default_pg: gloo:\w+ #\d+ "
+                    r"\(Float\[[^)]*\]\), issued (\d+\.\d) s ago")
+        recorded = re.search(expected, str(caught.value), re.MULTILINE)
+        assert recorded and float(recorded.group(1)) >= TIMEOUT - 0.5, str(caught.value)
     # gloo raises at the timeout (the watchdog ends a rank HANG_GRACE_S later when a busy machine delays that); ps: a
     # server still in its graceful RPC shutdown leaves `timeout` after the launcher's SIGTERM.
     slack = HANG_GRACE_S + (TIMEOUT if strategy == "ps" else 0) + 3
     assert elapsed < TIMEOUT + slack, f"the job took {elapsed:.0f} s to end after rank 1 got stuck"
+
+
+def test_the_flight_recorders_line_names_each_groups_last_collective_with_its_age_and_state():
+    def entry(number: int, name: str, group: list, sizes: list, retired: bool, created_s: float, state: str) -> dict:
+        return {"collective_seq_id": number, "p2p_seq_id": 0, "is_p2p": False, "profiling_name": name,
+                "process_group": group, "input_dtypes": ["Float"] * len(sizes), "input_sizes": sizes,
+                "retired": retired, "time_created_ns": int(created_s * 1e9), "state": state}
+
+    default, side = ["0", "default_pg"], ["1", "undefined"]
+    recorded = [entry(6, "nccl:all_reduce", default, [[3]], True, 1.0, "completed"),
+                entry(2, "nccl:broadcast", side, [], True, 1.5, "completed"),
+                entry(7, "nccl:all_reduce", default, [[2, 5]], False, 2.0, "started")]
+    assert describe(recorded, 1, now_ns=7 * 10**9) == (
+        "torch's flight recorder on rank 1, the last collective of each group: default_pg: nccl:all_reduce #7 "
+        "(Float[2, 5]), issued 5.0 s ago, started, not retired; group 1: nccl:broadcast #2, issued 5.5 s ago, "
+        "completed, retired")
+    assert describe([], 0) is None
 
 
 def test_the_slowest_rank_is_named_only_when_it_is_persistently_slower():

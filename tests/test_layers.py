@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     f"{T}.logs.loggers": 2, f"{T}.loggers": 3, f"{T}.launch.warm_start": 2, f"{T}.cluster.node_checks": 2,
     f"{T}.logs.evaluations": 3, f"{T}.diagnosis.watchdog": 2, f"{T}.diagnosis.stragglers": 2,
     f"{T}.diagnosis.agreement": 2, f"{T}.diagnosis.arrival": 1, f"{T}.diagnosis.doctor": 3,
+    f"{T}.diagnosis.flight_recorder": 0,
     #    torch.compile applied to a module's regions (the strategies call it after wrapping the module)
     f"{T}.compile.regions": 2,
     # 3: the option schema: every Trainer option and its checks

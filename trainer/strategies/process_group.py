@@ -26,6 +26,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment, resolve_environment
+from torchyard.trainer.diagnosis import flight_recorder
 from torchyard.trainer.diagnosis.agreement import CollectiveAgreement, checking_user_collectives
 from torchyard.trainer.diagnosis.markers import Marker
 from torchyard.trainer.diagnosis.watchdog import Watchdog
@@ -76,6 +77,8 @@ class ProcessGroupStrategy(Strategy):
         self._pin_device(environment)
         # A group the user's script created itself is theirs to destroy.
         self._owns_group = not dist.is_initialized()
+        if self.diagnosis != "off":  # torch's own record of the collectives, read into a stuck job's report
+            flight_recorder.enable()
         distributed.init_process_group(environment, self.backend, self.timeout)
         # Not on a group the user's script made itself, unless its store is the launcher's (else it is the script's).
         if self.diagnosis != "off" and (self._owns_group or environment.use_agent_store):
@@ -143,7 +146,9 @@ class ProcessGroupStrategy(Strategy):
     def hang_report(self, error: BaseException) -> str | None:
         if self._watchdog is None:
             return None
-        return self._watchdog.report(self._watchdog.error_position(error))
+        report = self._watchdog.report(self._watchdog.error_position(error))
+        recorded = flight_recorder.describe(flight_recorder.entries(), self.global_rank)
+        return report if recorded is None else f"{report}\n{recorded}"
 
     @override
     def teardown(self) -> None:

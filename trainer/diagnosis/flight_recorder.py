@@ -1,0 +1,71 @@
+"""torch's flight recorder, read into the stuck-job report: the last collective torch itself recorded on this rank in
+each process group. torch keeps it for NCCL (`TORCH_NCCL_TRACE_BUFFER_SIZE`) and,
+since 2.7 or so, for gloo too (`TORCH_FR_BUFFER_SIZE`); a watched job turns both on. Recording costs one ring-buffer
+entry per collective, without stacks (torch captures none unless asked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+#: The variables that size torch's record (entries kept per process), for gloo and for NCCL; a user's value wins.
+BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+ENTRIES = 2000
+
+
+def enable() -> None:
+    """Turn the recorder on for the process groups this process creates from now on (torch reads the variables
+    when it creates its first group)."""
+    for variable in BUFFER_VARIABLES:
+        os.environ.setdefault(variable, str(ENTRIES))
+
+
+def entries() -> list[dict[str, Any]]:
+    """This process's recorded collectives, oldest first; none where torch keeps no record (turned off, or a build
+    without it)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError:
+        return []
+    try:
+        dump = json.loads(_dump_fr_trace_json(True, False))  # collectives, without stacks
+    except (RuntimeError, ValueError):
+        return []
+    return list(dump.get("entries") or [])
+
+
+def describe(recorded: list[dict[str, Any]], rank: int, now_ns: int | None = None) -> str | None:
+    """One line for the report: the last collective torch recorded in each process group on `rank`, how long ago it
+    was issued and its state as torch keeps it ("torch's flight recorder on rank 0, the last collective of each
+    group: default_pg: gloo:all_reduce #7 (Float[2, 5]), issued 5.0 s ago, scheduled, retired"); None when it
+    recorded nothing. gloo records no start or completion (every entry reads 'scheduled') and retires a collective
+    that failed too, so there the time since it was issued is what tells the stuck one; NCCL records both."""
+    if not recorded:
+        return None
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    last: dict[str, dict[str, Any]] = {}
+    for entry in recorded:  # oldest first: the last one of a group wins
+        last[_group(entry)] = entry
+    shown = "; ".join(
+        f"{group}: {entry.get('profiling_name', '?')} #{_number(entry)}{_tensors(entry)}, issued "
+        f"{(now_ns - entry['time_created_ns']) / 1e9:.1f} s ago, {entry.get('state', '?')}"
+        + (", retired" if entry.get("retired") else ", not retired")
+        for group, entry in last.items())
+    return f"torch's flight recorder on rank {rank}, the last collective of each group: {shown}"
+
+
+def _group(entry: dict[str, Any]) -> str:
+    name, description = (list(entry.get("process_group") or []) + ["?", "?"])[:2]
+    return description if description not in ("", "undefined", "?") else f"group {name}"
+
+
+def _number(entry: dict[str, Any]) -> Any:
+    return entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+
+
+def _tensors(entry: dict[str, Any]) -> str:
+    tensors = ", ".join(f"{dtype}{list(size)}" for dtype, size in zip(entry.get("input_dtypes") or [],
+                                                                       entry.get("input_sizes") or []))
+    return f" ({tensors})" if tensors else ""
