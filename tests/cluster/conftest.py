@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -162,7 +163,7 @@ class RayCluster:
         for start in self._starts:
             start.kill()
             start.wait()
-        _stop_ray_cluster(self.temp_dir)
+        _stop_ray_cluster(self.temp_dir, self.port)
 
 
 def _ray_start(*args: str, temp_dir: Path) -> subprocess.Popen:
@@ -186,8 +187,10 @@ def _wait_for_nodes(address: str, count: int, timeout: float) -> bool:
     return False
 
 
-def _cluster_processes(temp_dir: Path) -> list[int]:
-    """The processes of the cluster under `temp_dir` (its daemons name their session folder) and their children."""
+def _cluster_processes(temp_dir: Path, port: int) -> list[int]:
+    """The processes of the cluster under `temp_dir` (its daemons name their session folder) and their children, and
+    the head's client server, which names only the head's address: Ray gives it the machine's own IP even for a
+    127.0.0.1 head (it resolves loopback to a reachable address), and `ray start` has left it to init."""
     parents: dict[int, int] = {}
     ours = set()
     for proc in Path("/proc").iterdir():
@@ -198,7 +201,8 @@ def _cluster_processes(temp_dir: Path) -> list[int]:
             parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if str(temp_dir) in cmdline and int(proc.name) != os.getpid():
+        head = re.search(rf"ray\.util\.client\.server --address=\S+:{port} ", cmdline)
+        if (str(temp_dir) in cmdline or head) and int(proc.name) != os.getpid():
             ours.add(int(proc.name))
     grown = True
     while grown:  # workers and agents are the raylets' children, with process titles that name no folder
@@ -208,11 +212,11 @@ def _cluster_processes(temp_dir: Path) -> list[int]:
     return sorted(ours)
 
 
-def _stop_ray_cluster(temp_dir: Path) -> None:
+def _stop_ray_cluster(temp_dir: Path, port: int) -> None:
     """End this cluster's processes only, by their ids (`ray stop` would end every Ray on the machine); SIGKILL at
     once, as `ray stop --force` does: a test cluster holds nothing to save."""
     deadline = time.monotonic() + 10
-    while (pids := _cluster_processes(temp_dir)) and time.monotonic() < deadline:
+    while (pids := _cluster_processes(temp_dir, port)) and time.monotonic() < deadline:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
