@@ -68,6 +68,14 @@ class WorkerTraceback(Exception):
         return self.text
 
 
+def decide_run_folder(trainer: Trainer) -> None:
+    """Fix the run folder (every logger's version, the log_dir) in the launching process, before any worker starts:
+    every worker, and every restarted one, then writes to that one folder."""
+    for logger in trainer.loggers:
+        _ = logger.version
+    _ = trainer.log_dir
+
+
 def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     """Run `trainer._run(stage, *run_args)` on every process of the job; return rank 0's outcome (on another
     node, the outcome of that node's first rank, with the same weights). A script whose main guard holds the
@@ -80,11 +88,9 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     nproc, num_nodes = strategy.processes_per_node(), strategy.num_nodes
     first_node = num_nodes == 1 or _check_master_before_rendezvous(trainer)
     if first_node:
-        # Every worker (and a restarted one) must write to the same run folder: decide it once, here. The other
-        # nodes' workers take rank 0's folder (RunFolder.settle) and claim none: on a shared disk it would stay empty.
-        for logger in trainer.loggers:
-            _ = logger.version
-        _ = trainer.log_dir
+        # The other nodes' workers take rank 0's folder (RunFolder.settle) and claim none: on a shared disk it would
+        # stay empty.
+        decide_run_folder(trainer)
     payload = _pickle_job(trainer, stage, run_args)
     if warm_start.available():
         warm_start.start()  # already running when the Trainer started it early

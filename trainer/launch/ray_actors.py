@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment, detect_environment, find_free_port
 from torchyard.trainer.errors import MisconfigurationError
-from torchyard.trainer.launch.elastic import WorkerTraceback
+from torchyard.trainer.launch.elastic import WorkerTraceback, decide_run_folder
 from torchyard.trainer.loop import faults
 
 if TYPE_CHECKING:
@@ -63,10 +63,7 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     ray = import_ray()
     started_here = connect(ray, trainer.config.ray_address)  # first: a bad address leaves no run folder behind
     try:
-        # Every rank, and every restarted attempt, writes to one run folder: decide it once, here.
-        for logger in trainer.loggers:
-            _ = logger.version
-        _ = trainer.log_dir
+        decide_run_folder(trainer)  # every rank, and every restarted attempt, writes to it
         return _run_job(ray, trainer, _pickle_job(ray, trainer, stage, run_args))
     finally:
         if started_here:

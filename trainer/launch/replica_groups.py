@@ -82,9 +82,7 @@ def launch(trainer: Trainer, stage: str, *run_args: Any) -> dict[str, Any]:
     if script is not None and not script.guarded:
         raise MisconfigurationError(f"fault_tolerance starts each replica group as a process of its own, which "
                                     f"imports {script.path}; {GUARD_HINT}.")
-    for logger in trainer.loggers:  # every group, and a restarted one, writes to the same run folder
-        _ = logger.version
-    _ = trainer.log_dir
+    elastic.decide_run_folder(trainer)  # every group, and a restarted one, writes to it
     payload = elastic._pickle_job(trainer, stage, run_args)
     if warm_start.available():
         warm_start.start()

@@ -48,10 +48,13 @@ class ReplicaSlices(ResumableBatchSampler):
     def _parts(self, batches: Iterator[list[int]]) -> Iterator[list[int]]:
         for batch in batches:
             self.current = batch
-            place, participants = self.quorum()
-            part = replica_part(batch, place, participants)
-            self.weight = participants * len(part) / len(batch)
-            yield part
+            yield self.deal(*self.quorum())
+
+    def deal(self, place: int, participants: int) -> list[int]:
+        """This replica's part of the current global batch under a quorum of `participants`; sets its weight."""
+        part = replica_part(self.current, place, participants)
+        self.weight = participants * len(part) / len(self.current)
+        return part
 
 
 class StepBatches:
@@ -62,8 +65,7 @@ class StepBatches:
 
     def refetch(self, place: int, participants: int) -> Any:
         """This replica's part of the current global batch under a quorum of `participants`, collated."""
-        indices = replica_part(self.slices.current, place, participants)
-        self.slices.weight = participants * len(indices) / len(self.slices.current)
+        indices = self.slices.deal(place, participants)
         get_items = getattr(self.dataset, "__getitems__", None)
         items = get_items(indices) if get_items is not None else [self.dataset[i] for i in indices]
         return self.collate_fn(items)
