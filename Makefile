@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 # The in-process tests are independent (each runs in its own folder) and share the cores on 2 workers.
 WORKERS ?= 2
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench device-wheels clean
 
 # One venv for both commands, with a stamp per set of extras: `make demo` installs the core dependencies and
 # scikit-learn (the `recipes` extra, the digits data) and nothing else; `make test` adds the `dev` extras (pytest,
@@ -49,6 +49,11 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
+
+# What benchmarks/device_checks.sh needs on a lent GPU machine beyond its image (torch, pytest, rich, ...): omegaconf.
+device-wheels: setup
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .whl "omegaconf==$$($(BIN)/python -c 'import omegaconf; print(omegaconf.__version__)')"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

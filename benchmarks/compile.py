@@ -14,8 +14,11 @@ on torch.compile(model). A step's time is the median interval between the starts
 in the main thread's CPU time (one intra-op thread: all the work runs on it; on a shared machine read the CPU time,
 which does not count the moments other processes hold the cores). Printed: ms per step of each, compiled / eager for
 the Trainer and for the hand loop, and the Trainer's compiled step / the hand loop's compiled step.
+`--accelerator cuda` runs the fits and the steady steps on the GPU (the hand loop moves its model and batches there;
+every step start, on both sides, waits for the GPU first); `--restart` stays on the CPU (it needs two devices).
 
     python benchmarks/compile.py [--steps 40] [--warmup 5] [--restart] [--skip-warm] [--skip-steady] [--cache-dir D]
+                                 [--accelerator cpu|cuda]
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def first_steps(command: list[str]) -> list[tuple[float, str]]:
     return found
 
 
-def warm_start(root: Path) -> None:
-    fit = [sys.executable, "-m", "torchyard.trainer", "fit", str(RECIPE), f"trainer.default_root_dir={root}", *SHORT]
+def warm_start(root: Path, accelerator: str) -> None:
+    fit = [sys.executable, "-m", "torchyard.trainer", "fit", str(RECIPE), f"trainer.default_root_dir={root}", *SHORT,
+           f"trainer.accelerator={accelerator}"]
     (cold, cold_kind), = first_steps(fit)
     (warm, warm_kind), = first_steps(fit)
     print(f"time to first step, charlm, inductor: cold {cold:.1f} s ({cold_kind}), next run {warm:.1f} s "
@@ -90,7 +94,14 @@ class StepStarts(Callback):
         self.starts: list[tuple[float, float]] = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.starts.append((time.perf_counter(), time.thread_time()))
+        self.starts.append(step_start())
+
+
+def step_start() -> tuple[float, float]:
+    """Now, in wall and this thread's CPU time, once the GPU (if any) finished the work queued before."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter(), time.thread_time()
 
 
 def median_step(starts: list[tuple[float, float]], warmup: int) -> tuple[float, float]:
@@ -100,22 +111,25 @@ def median_step(starts: list[tuple[float, float]], warmup: int) -> tuple[float, 
     return (statistics.median(b[0] - a[0] for a, b in pairs), statistics.median(b[1] - a[1] for a, b in pairs))
 
 
-def trainer_step(root: Path, compile_option: bool | dict, steps: int, warmup: int) -> tuple[float, float]:
+def trainer_step(root: Path, compile_option: bool | dict, steps: int, warmup: int,
+                 accelerator: str) -> tuple[float, float]:
     recipe = load_recipe([RECIPE])
     torch.manual_seed(0)
     module, data = recipe.model.instantiate(), recipe.data.instantiate()
     timer = StepStarts()
     trainer = Trainer(max_steps=warmup + steps + 1, num_sanity_val_steps=0, limit_val_batches=0, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      gradient_clip_val=1.0, compile=compile_option, default_root_dir=str(root), callbacks=[timer])
+                      gradient_clip_val=1.0, compile=compile_option, default_root_dir=str(root), callbacks=[timer],
+                      accelerator=accelerator)
     trainer.fit(module, datamodule=data)
     return median_step(timer.starts, warmup)
 
 
-def hand_step(compiled: bool, steps: int, warmup: int) -> tuple[float, float]:
+def hand_step(compiled: bool, steps: int, warmup: int, accelerator: str) -> tuple[float, float]:
     recipe = load_recipe([RECIPE])
     torch.manual_seed(0)
     module, data = recipe.model.instantiate(), recipe.data.instantiate()
+    module.to(accelerator)
     data.setup("fit")
     model = torch.compile(module) if compiled else module
     optimizer = module.configure_optimizers()
@@ -125,7 +139,8 @@ def hand_step(compiled: bool, steps: int, warmup: int) -> tuple[float, float]:
     for step, (tokens, targets) in enumerate(data.train_dataloader()):
         if step > warmup + steps:
             break
-        starts.append((time.perf_counter(), time.thread_time()))
+        starts.append(step_start())
+        tokens, targets = tokens.to(accelerator, non_blocking=True), targets.to(accelerator, non_blocking=True)
         logits = model(tokens)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         optimizer.zero_grad(set_to_none=True)
@@ -135,13 +150,13 @@ def hand_step(compiled: bool, steps: int, warmup: int) -> tuple[float, float]:
     return median_step(starts, warmup)
 
 
-def steady(root: Path, steps: int, warmup: int, cache: Path) -> None:
+def steady(root: Path, steps: int, warmup: int, cache: Path, accelerator: str) -> None:
     """Both compiled sides take inductor's cache from `cache` (the warm-start runs', where they ran first)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # the hand loop's torch.compile; the Trainer's is its option
-    times = {"Trainer eager": trainer_step(root, False, steps, warmup),
-             "Trainer compiled": trainer_step(root, {"cache_dir": str(cache)}, steps, warmup),
-             "hand loop eager": hand_step(False, steps, warmup),
-             "hand loop compiled": hand_step(True, steps, warmup)}
+    times = {"Trainer eager": trainer_step(root, False, steps, warmup, accelerator),
+             "Trainer compiled": trainer_step(root, {"cache_dir": str(cache)}, steps, warmup, accelerator),
+             "hand loop eager": hand_step(False, steps, warmup, accelerator),
+             "hand loop compiled": hand_step(True, steps, warmup, accelerator)}
     for name, (wall, cpu) in times.items():
         print(f"{name:20s} {wall * 1e3:8.2f} ms/step wall, {cpu * 1e3:8.2f} ms/step CPU", flush=True)
     for clock, which in (("wall", 0), ("CPU", 1)):
@@ -159,17 +174,18 @@ def main() -> None:
     parser.add_argument("--skip-warm", action="store_true")
     parser.add_argument("--skip-steady", action="store_true")
     parser.add_argument("--cache-dir", help="inductor's cache for the steady runs (default: the warm-start runs')")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         if not args.skip_warm:
-            warm_start(root / "runs")
+            warm_start(root / "runs", args.accelerator)
         if args.restart:
             restart(root / "restart")
         if not args.skip_steady:
             cache = Path(args.cache_dir) if args.cache_dir else root / "runs" / "charlm" / "compile_cache"
-            steady(root / "steady", args.steps, args.warmup, cache.absolute())
+            steady(root / "steady", args.steps, args.warmup, cache.absolute(), args.accelerator)
 
 
 if __name__ == "__main__":

@@ -175,15 +175,33 @@ def test_measured_parts_are_shown_beside_the_predicted_ones():
     assert "| 1x2 ddp | 2.00 / 2.00 (+0%) |" in measured_markdown([row])
 
 
+def cuda_library_workspaces() -> int:
+    """The bytes the CUDA libraries keep allocated once a matrix product and its backward ran on this stream."""
+    weight = torch.randn(64, 64, device="cuda", requires_grad=True)
+    torch.nn.functional.linear(weight, weight, weight[0]).sum().backward()  # with a bias: cuBLASLt's too
+    del weight
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_plan_of_one_process_matches_what_cuda_allocates():
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_the_plan_of_one_process_matches_what_cuda_allocates(strategy):
     """The plan (fake tensors on the host) against torch.cuda.max_memory_allocated over the same real step on the
-    GPU: the allocator's block rounding aside, within 10%."""
-    recipe = load_recipe([CHARLM, *SMALL])
+    GPU, within 10%, at the recipe's own size (a smaller model's step is dominated by the allocator's rounding of
+    small blocks). fsdp runs on a real NCCL group of one (its parameters DTensors, its all-gathers and
+    reduce-scatters real). Left out of both: the workspaces cuBLAS keeps allocated from its first matrix product on
+    (65 MiB on an H200 with torch 2.11, a fixed cost per process the plan does not count; docs/planning.md)."""
+    recipe = load_recipe([CHARLM])
     batch = sample_batch(recipe)
     with fake_process_group(1):
-        predicted = run_step(recipe, {"name": "single"}, 1, 0, batch).memory.total
+        predicted = run_step(recipe, {"name": strategy}, 1, 0, batch).memory.total
+    if strategy == "fsdp":
+        torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                             device_id=torch.device("cuda", 0))
+    workspaces = cuda_library_workspaces()
     torch.cuda.reset_peak_memory_stats()
-    run_step(recipe, {"name": "single"}, 1, 0, batch, fake=False, accelerator="cuda")
-    allocated = torch.cuda.max_memory_allocated()
+    run_step(recipe, {"name": strategy}, 1, 0, batch, fake=False, accelerator="cuda")
+    allocated = torch.cuda.max_memory_allocated() - workspaces
+    print(f"{strategy}: predicted {predicted} bytes, allocated {allocated} beyond {workspaces} of the libraries'")
     assert abs(predicted - allocated) <= 0.10 * allocated, (predicted, allocated)

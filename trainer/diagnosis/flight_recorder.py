@@ -24,16 +24,18 @@ def enable() -> None:
 
 def entries() -> list[dict[str, Any]]:
     """This process's recorded collectives, oldest first; none where torch keeps no record (turned off, or a build
-    without it)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
-    except ImportError:
-        return []
-    try:
-        dump = json.loads(_dump_fr_trace_json(True, False))  # collectives, without stacks
-    except (RuntimeError, ValueError):
-        return []
-    return list(dump.get("entries") or [])
+    without it). torch keeps two records: NCCL's (its entries hold CUDA events) and every other backend's."""
+    import torch._C._distributed_c10d as c10d
+
+    recorded: list[dict[str, Any]] = []
+    for dump in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):  # the first in CUDA builds only
+        if not hasattr(c10d, dump):
+            continue
+        try:
+            recorded += json.loads(getattr(c10d, dump)(True, False)).get("entries") or []  # collectives, no stacks
+        except (RuntimeError, ValueError):
+            continue
+    return sorted(recorded, key=lambda entry: entry.get("time_created_ns", 0))
 
 
 def describe(recorded: list[dict[str, Any]], rank: int, now_ns: int | None = None) -> str | None:
