@@ -195,6 +195,7 @@ def test_a_literal_dollar_brace_survives_the_saved_config(recipes_here):
 
 
 @pytest.mark.slow  # a new Python process that imports torch
+@pytest.mark.one_core
 def test_console_script_reports_one_line(recipes_here):
     script = Path(sys.executable).with_name("trainer")
     done = subprocess.run([str(script), "fit", "good.yaml", "model.init_args.lrr=1"], capture_output=True, text=True,
@@ -208,6 +209,7 @@ def test_console_script_reports_one_line(recipes_here):
 
 
 @pytest.mark.slow  # a new Python process that imports torch
+@pytest.mark.one_core
 def test_python_dash_m_prints_the_resolved_config(recipes_here):
     done = subprocess.run([sys.executable, "-m", "torchyard.trainer", "config", "good.yaml", "trainer.max_epochs=7"],
                           capture_output=True, text=True, timeout=60)
@@ -352,6 +354,7 @@ def test_saved_config_is_the_resolved_recipe(recipes_here):
 
 
 @pytest.mark.slow  # two CLI fits
+@pytest.mark.one_core
 def test_a_resume_refused_for_misfit_weights_leaves_the_runs_files_as_they_were(recipes_here, capsys):
     quiet = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "trainer.enable_model_summary=false"]
     assert main(["fit", "good.yaml", *quiet]) == 0
@@ -366,6 +369,7 @@ def test_a_resume_refused_for_misfit_weights_leaves_the_runs_files_as_they_were(
 
 
 @pytest.mark.slow  # three CLI fits
+@pytest.mark.one_core
 def test_resuming_last_names_the_checkpoint_and_keeps_the_runs_config_beside_a_differing_one(recipes_here, capsys):
     quiet = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "trainer.enable_model_summary=false",
              "callbacks.0.init_args.save_last=true"]
@@ -409,6 +413,7 @@ def write_metrics(folder: Path, header: list[str], rows: list[list[object]]) -> 
 
 
 @pytest.mark.slow  # imports matplotlib and draws: seconds
+@pytest.mark.one_core
 def test_plot_draws_one_panel_per_metric_one_line_per_run(tmp_path, capsys):
     image_module = pytest.importorskip("matplotlib.image")
     header = ["step", "train/loss", "epoch", "val/loss", "val/acc"]

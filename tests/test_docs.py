@@ -141,7 +141,8 @@ OUTCOMES = {("README.md", "quickstart.py"): check_quickstart}
 
 
 @pytest.mark.timeout(TIMEOUT_S[True] + 30)
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[block.id for block in RUN_BLOCKS])
+@pytest.mark.parametrize("block", [pytest.param(block, id=block.id, marks=() if block.multi_process else
+                                                 pytest.mark.one_core) for block in RUN_BLOCKS])
 def test_block_runs(block: Block, tmp_path: Path) -> None:
     prepare_folder(tmp_path, block)
     done = run_block(tmp_path, block)

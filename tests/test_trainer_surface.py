@@ -986,7 +986,8 @@ def test_configure_callbacks_replaces_the_trainers_callbacks_of_the_same_type_on
         def configure_callbacks(self):
             return [MyCheckpoint(dirpath=str(tmp_path / "sub")), EarlyStopping("val_loss"), EarlyStopping("val_loss")]
 
-    trainer, module = Trainer(**{**QUIET, "enable_checkpointing": True}, default_root_dir=str(tmp_path)), Twice()
+    trainer = Trainer(**{**QUIET, "enable_checkpointing": True}, default_root_dir=str(tmp_path), max_epochs=1)
+    module = Twice()
     for _ in range(2):  # refused, and refused again: a failed configure_callbacks is not taken as done
         with pytest.raises(MisconfigurationError, match="two EarlyStopping callbacks have the same state_key"):
             trainer.fit(module, loader(), loader(8))

@@ -46,6 +46,9 @@ CredType=cred/munge
 # A requeued job waits out the credential lifetime before it starts again: 120 s by default; 10 s is still
 # ample for a step to reach slurmd on one host.
 AuthInfo=cred_expire=10
+# Then it waits for the next backfill pass, every 30 s by default, and a job submitted right after another one ends
+# for the main loop's: both every second here, where the queue holds a job or two.
+SchedulerParameters=bf_interval=1,sched_interval=1
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid

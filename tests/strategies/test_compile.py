@@ -147,6 +147,7 @@ def test_unknown_regions_name_the_classes_the_module_has(tmp_path):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.one_core
 def test_single_compiled_on_inductor_trains_validates_and_predicts_as_eager(tmp_path, capsys):
     module = fresh()
     trainer = Trainer(compile=True, max_steps=STEPS, limit_val_batches=2, default_root_dir=str(tmp_path),

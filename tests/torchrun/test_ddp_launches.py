@@ -195,6 +195,7 @@ def test_a_script_without_a_main_guard_runs_on_every_rank_like_a_hand_written_to
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.one_core
 def test_max_restarts_with_a_script_without_a_main_guard_is_refused_before_any_worker_starts(tmp_path):
     last, script = refused_script(tmp_path, "unguarded.py", UNGUARDED_WITH_RESTARTS)
     assert last == (
@@ -220,6 +221,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.one_core
 def test_a_module_class_defined_under_the_main_guard_is_refused_before_any_worker_starts(tmp_path):
     last, script = refused_script(tmp_path, "guarded_class.py", GUARDED_CLASS)
     assert last == (
