@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from processes import reaped
+import torch.distributed as dist
+from processes import run_ranks
 
 from torchyard.trainer.cli.main import main
 from torchyard.trainer.cli.recipe import load_recipe
-from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.scaling.fake_step import Collective, StepMemory, fake_process_group, run_step, sample_batch
 from torchyard.trainer.scaling.plan import Link, collective_seconds, largest_micro_batch, parse_bytes, parse_link
@@ -95,28 +93,24 @@ def test_the_largest_micro_batch_keeps_the_state_and_scales_the_rest():
 
 # Each rank of a real gloo job runs the plan's own two steps (fake_step.run_step with fake=False) for every
 # strategy and world size that includes it, in a fresh group per round, and prints what MemTracker counted.
-MEASURE = """
-import json, sys
-import torch.distributed as dist
-from torchyard.trainer.cli.recipe import load_recipe
-from torchyard.trainer.scaling.fake_step import run_step, sample_batch
-rank, port, sources = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-recipe = load_recipe(sources)
-batch = sample_batch(recipe)
-store = dist.TCPStore("127.0.0.1", port, 4, rank == 0)
-for world, layout in [(1, "single"), (1, "ddp"), (1, "fsdp"), (2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")]:
-    if rank < world:
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"{world}/{layout}", store), rank=rank,
-                                world_size=world)
-        record = run_step(recipe, {"name": layout}, world, rank, batch, fake=False)
-        dist.destroy_process_group()
-        print(json.dumps({"world": world, "layout": layout, "rank": rank, "memory": vars(record.memory),
-                          "collectives": [len(record.collectives), sum(c.bytes for c in record.collectives)]}),
-              flush=True)
-store.set(f"done/{rank}", "1")
-if rank == 0:
-    store.wait([f"done/{other}" for other in range(4)])
-"""
+def measure(arguments: list[str]) -> None:
+    """One of 4 ranks (tests/processes.run_ranks): the real step of each layout this rank takes part in; a JSON
+    line each. `arguments`: the recipe's sources."""
+    recipe = load_recipe(arguments)
+    batch, rank = sample_batch(recipe), int(os.environ["RANK"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 4, rank == 0)
+    for world, layout in [(1, "single"), (1, "ddp"), (1, "fsdp"), (2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")]:
+        if rank < world:
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"{world}/{layout}", store), rank=rank,
+                                    world_size=world)
+            record = run_step(recipe, {"name": layout}, world, rank, batch, fake=False)
+            dist.destroy_process_group()
+            print(json.dumps({"world": world, "layout": layout, "rank": rank, "memory": vars(record.memory),
+                              "collectives": [len(record.collectives), sum(c.bytes for c in record.collectives)]}),
+                  flush=True)
+    store.set(f"done/{rank}", "1")
+    if rank == 0:
+        store.wait([f"done/{other}" for other in range(4)])
 
 
 def compared_bytes(memory: dict) -> int:
@@ -126,20 +120,12 @@ def compared_bytes(memory: dict) -> int:
 
 @pytest.mark.timeout(240)
 def test_predicted_per_rank_bytes_match_real_runs_at_1_2_and_4_processes(tmp_path):
-    script = tmp_path / "measure.py"
-    script.write_text(MEASURE)
     sources = [CHARLM, *SMALL]
-    port = find_free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    workers = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), *sources], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-               for rank in range(4)]
-    with reaped(workers):
-        # The plan meanwhile, in this process: the same layouts at 1, 2 and 4 ranks (compute given: not timed here)
-        assert main(["plan", *sources, f"trainer.default_root_dir={tmp_path}", "--devices", "1,2,4",
-                     "--layouts", "ddp,fsdp", "--compute-ms", "10", "--device-memory", "1GiB"]) == 0
-        outputs = [worker.communicate(timeout=200)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0, 0, 0], outputs
+    # The plan first, in this process: the same layouts at 1, 2 and 4 ranks (compute given: not timed here)
+    assert main(["plan", *sources, f"trainer.default_root_dir={tmp_path}", "--devices", "1,2,4",
+                 "--layouts", "ddp,fsdp", "--compute-ms", "10", "--device-memory", "1GiB"]) == 0
+    run_ranks(measure, 4, sources, tmp_path, timeout=200)
+    outputs = [(tmp_path / f"rank{rank}.log").read_text() for rank in range(4)]
     measured = [json.loads(line) for text in outputs for line in text.splitlines() if line.startswith("{")]
     assert len(measured) == 3 + 2 * 2 + 2 * 4
     planned = {(row["ranks"], row["layout"]): row for row in json.loads(

@@ -1,4 +1,5 @@
-"""The fsdp cases of tests/strategies/test_fsdp.py, run as one 2-process job so that processes start once.
+"""The fsdp cases of tests/strategies/test_fsdp.py, run as one 2-process job so that processes start once (the test
+forks its ranks with tests/processes.run_ranks; by hand, as torchrun would start them):
 
     RANK=r WORLD_SIZE=2 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p python fsdp_cases.py OUT_DIR [CASE ...]
 
@@ -143,13 +144,14 @@ def run_case(out: Path, name: str) -> dict[str, Any]:
             "global_step": trainer.global_step}
 
 
-def main() -> None:
+def main(arguments: list[str]) -> None:
+    """`arguments`: OUT_DIR [CASE ...]."""
     torch.set_num_threads(1)
-    out = Path(sys.argv[1])
-    results = {name: run_case(out, name) for name in sys.argv[2:] or CASES}
+    out = Path(arguments[0])
+    results = {name: run_case(out, name) for name in arguments[1:] or CASES}
     if torch.distributed.get_rank() == 0:
         torch.save(results, out / "results.pt")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

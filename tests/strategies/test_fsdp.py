@@ -7,25 +7,21 @@ process on one rank (a world of one process shards nothing, but runs every code 
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import fsdp_cases
 import pytest
 import torch
 from fsdp_cases import BATCH, EPOCHS, QUIET, SEED, TRAIN, VAL, Block, Net, checkpoint_folder, initial_state
-from processes import reaped
+from processes import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
 
 from torchyard.callbacks import ModelCheckpoint
 from torchyard.trainer import Trainer
 from torchyard.trainer.cli.main import main as cli
-from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import CheckpointError, MisconfigurationError
 from torchyard.trainer.strategies import build_strategy
 from torchyard.trainer.strategies.fsdp import FSDPStrategy, shard_units
@@ -59,19 +55,10 @@ def one_rank(root: Path, strategy: dict | str, **options) -> Trainer:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """fsdp_cases.py on 2 ranks, launched as torchrun would (so the Trainer starts nothing): its output folder and
+    """fsdp_cases.py on 2 ranks, which see torchrun's variables (so the Trainer starts nothing): its output folder and
     rank 0's results."""
     out = tmp_path_factory.mktemp("fsdp_job")
-    port = str(find_free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, fsdp_cases.__file__, str(out)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
-    with reaped(procs):
-        outputs = [proc.communicate(timeout=150)[0] for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs), outputs[0][-3000:] + outputs[1][-3000:]
+    run_ranks(fsdp_cases.main, 2, [str(out)], out, timeout=150)
     return out, torch.load(out / "results.pt", weights_only=True)
 
 

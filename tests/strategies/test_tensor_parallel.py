@@ -7,20 +7,16 @@ tp=2, for a few steps (8 processes on CI's two cores cost more per step than the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import tp_cases
-from processes import reaped
+from processes import run_ranks
 from tp_cases import EPOCHS, QUIET, RESUMED_EPOCHS, SEED, THREE_D_STEPS, TPNet, fresh, loader
 
 from torchyard.trainer import Trainer, TrainModule
 from torchyard.trainer.cli.main import main as cli
-from torchyard.trainer.cluster.environment import find_free_port
 from torchyard.trainer.errors import MisconfigurationError
 from torchyard.trainer.strategies import build_strategy
 from torchyard.trainer.strategies.mesh import MeshLayout, layout_for
@@ -137,24 +133,14 @@ def reference() -> dict[int, tuple[dict[str, torch.Tensor], dict[str, float], in
 
 
 def run_job(out: Path, world_size: int, arguments: list[str]) -> Path:
-    """tp_cases.py on world_size local processes, as torchrun would start them."""
-    port = str(find_free_port())
-    procs = []
-    for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, tp_cases.__file__, str(out), *arguments], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
-    with reaped(procs):
-        outputs = [proc.communicate(timeout=170)[0] for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs), "\n".join(output[-3000:] for output in outputs)
+    """tp_cases.py's main on world_size local ranks."""
+    run_ranks(tp_cases.main, world_size, [str(out), *arguments], out, timeout=170)
     return out
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return run_job(tmp_path_factory.mktemp("tp_job"), 4, [str(find_free_port()) for _ in range(2)])
+    return run_job(tmp_path_factory.mktemp("tp_job"), 4, [])
 
 
 @pytest.mark.timeout(200)

@@ -1,6 +1,7 @@
-"""The tensor-parallel cases of tests/strategies/test_tensor_parallel.py, run as one 4-process job.
+"""The tensor-parallel cases of tests/strategies/test_tensor_parallel.py, run as one 4-process job (the test forks
+its ranks with tests/processes.run_ranks; by hand, as torchrun would start them):
 
-    RANK=r WORLD_SIZE=4 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tp_cases.py OUT_DIR PORT_A PORT_B
+    RANK=r WORLD_SIZE=4 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tp_cases.py OUT_DIR [3d]
 
 0. All 4 ranks: a 2-stage pipeline x tp=2, and fsdp as HSDP replicate=2 x tp=2; 20 AdamW steps each, clipped by
    the global norm. (A pipeline whose replicas shard each stage with fsdp is the 3-D job's case.)
@@ -10,7 +11,7 @@
    tp=1 x dp=2, ranks 2-3 the full file at tp=2 x dp=1; each trains one epoch more.
 Rank 0 of each part writes `<part>.pt`: the final weights (gathered), the callback metrics, and what each rank saw.
 
-With `3d` in place of the ports, on 8 ranks: pipeline=2 x fsdp=2 x tp=2 alone for THREE_D_STEPS steps, into
+With `3d`, on 8 ranks: pipeline=2 x fsdp=2 x tp=2 alone for THREE_D_STEPS steps, into
 `pp2_fsdp2_tp2.pt`.
 """
 
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchyard.callbacks import Callback
 from torchyard.trainer import Trainer, TrainModule
-from torchyard.trainer.cluster.environment import ClusterEnvironment
+from torchyard.trainer.cluster.environment import ClusterEnvironment, find_free_port
 from torchyard.trainer.strategies.fsdp import FSDPStrategy
 from torchyard.trainer.strategies.mesh import parallelize
 from torchyard.trainer.strategies.pipeline.strategy import PipelineStrategy
@@ -156,11 +157,12 @@ def three_d(out: Path) -> None:
         torch.save(results, out / "pp2_fsdp2_tp2.pt")
 
 
-def main() -> None:
+def main(arguments: list[str]) -> None:
+    """`arguments`: OUT_DIR, then `3d` for the 3-D job."""
     torch.set_num_threads(1)
-    if sys.argv[2] == "3d":
-        return three_d(Path(sys.argv[1]))
-    out, ports = Path(sys.argv[1]), [int(p) for p in sys.argv[2:4]]
+    if arguments[1:] == ["3d"]:
+        return three_d(Path(arguments[0]))
+    out = Path(arguments[0])
     rank = int(os.environ["RANK"])
     pipelines = {"pp2_tp2": (PipelineStrategy(stages=2, microbatches=2, tensor_parallel=2), 1),
                  "hsdp2_tp2": (FSDPStrategy(tensor_parallel=2, replicate=2), 2)}  # dp_replicate=2 x tp=2
@@ -172,11 +174,14 @@ def main() -> None:
     results = fit(strategy, 4, EPOCHS, None, [SaveBoth(out)], 2)
     if rank == 0:
         torch.save(results, out / "dp2_tp2.pt")
-    dist.destroy_process_group()
-    # Two jobs of 2 ranks each, on the checkpoints just written.
+    # Two jobs of 2 ranks each, on the checkpoints just written. Each pair's first rank picks its port now and the
+    # job's group shares them: a port picked before the job started could be taken by then.
     pair, pair_rank = divmod(rank, 2)
+    ports: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ports, find_free_port() if pair_rank == 0 else None)
+    dist.destroy_process_group()
     environment = ClusterEnvironment("torchrun", global_rank=pair_rank, local_rank=pair_rank, world_size=2,
-                                     local_world_size=2, master_port=ports[pair])
+                                     local_world_size=2, master_port=ports[2 * pair])
     tensor_parallel, source = ((1, "sharded.ckpt"), (2, "full.ckpt"))[pair]
     strategy = FSDPStrategy(tensor_parallel=tensor_parallel, environment=environment)
     results = fit(strategy, 2, RESUMED_EPOCHS, out / source, [], 2 // tensor_parallel)
@@ -185,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
