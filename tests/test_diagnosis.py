@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from diagnosis import cases
 
 from torchyard.trainer.cluster.environment import ClusterEnvironment, find_free_port
+from torchyard.trainer.diagnosis import flight_recorder
 from torchyard.trainer.diagnosis.flight_recorder import describe
 from torchyard.trainer.diagnosis.markers import Marker, Position, live_frames, position_of
 from torchyard.trainer.diagnosis.stragglers import StragglerWatch, slowest_rank
@@ -124,6 +126,20 @@ def test_a_stuck_rank_is_named_with_its_line_and_the_job_ends_soon_after_the_tim
     # server still in its graceful RPC shutdown leaves `timeout` after the launcher's SIGTERM.
     slack = HANG_GRACE_S + (TIMEOUT if strategy == "ps" else 0) + 3
     assert elapsed < TIMEOUT + slack, f"the job took {elapsed:.0f} s to end after rank 1 got stuck"
+
+
+@pytest.mark.parametrize("users", [{}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}, {"TORCH_FR_BUFFER_SIZE": "0"}])
+def test_the_recorder_is_sized_by_the_variable_of_this_torch_and_a_users_size_wins(monkeypatch, users):
+    for variable in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in users.items():
+        monkeypatch.setenv(variable, value)
+    flight_recorder.enable()
+    # Since torch 2.8 the older name makes every rank print a deprecation warning (gloo's too)
+    expected = users or {"TORCH_FR_BUFFER_SIZE": "2000",
+                         **({"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"} if torch.__version__ < (2, 8) else {})}
+    assert {v: os.environ[v] for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE") if v in os.environ} \
+        == expected
 
 
 def test_the_flight_recorders_line_names_each_groups_last_collective_with_its_age_and_state():

@@ -5,6 +5,7 @@ and an sshd with a test key (sshd.sh, `sshd`) for `trainer launch --hosts`."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -228,7 +229,8 @@ def _stop_ray_cluster(temp_dir: Path, port: int) -> None:
 def ray_cluster():
     """`ray start --head` and a second `ray start --address` once per session, stopped at its end; a test that reads
     its address is skipped, saying why, where Ray is not installed or does not start."""
-    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    if importlib.util.find_spec("ray") is None:  # not imported: the launcher must be first to (it sets how Ray logs)
+        pytest.skip("Ray is not installed (pip install -e '.[ray]')")
     # Short and under /tmp: Ray's socket paths must stay under the 107-byte limit of a Unix socket name.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     with socket.socket() as sock:  # Ray's worker processes take ports 10002-19999; the OS picks above them

@@ -1,6 +1,6 @@
 """torch's flight recorder, read into the stuck-job report: the last collective torch itself recorded on this rank in
-each process group. torch keeps it for NCCL (`TORCH_NCCL_TRACE_BUFFER_SIZE`) and,
-since 2.7 or so, for gloo too (`TORCH_FR_BUFFER_SIZE`); a watched job turns both on. Recording costs one ring-buffer
+each process group. torch keeps it for NCCL and, since 2.7 or so, for gloo too; a watched job turns it on
+(`TORCH_FR_BUFFER_SIZE`, which torch 2.8 took over from `TORCH_NCCL_TRACE_BUFFER_SIZE`). Recording costs one ring-buffer
 entry per collective, without stacks (torch captures none unless asked)."""
 
 from __future__ import annotations
@@ -10,16 +10,22 @@ import os
 import time
 from typing import Any
 
-#: The variables that size torch's record (entries kept per process), for gloo and for NCCL; a user's value wins.
-BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+import torch
+
+#: The variable that sizes torch's record (entries kept per process), and the one NCCL read before torch 2.8, which
+#: later releases still read but warn about on every rank.
+BUFFER_VARIABLE, NCCL_BUFFER_VARIABLE = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"
 ENTRIES = 2000
 
 
 def enable() -> None:
     """Turn the recorder on for the process groups this process creates from now on (torch reads the variables
-    when it creates its first group)."""
-    for variable in BUFFER_VARIABLES:
-        os.environ.setdefault(variable, str(ENTRIES))
+    when it creates its first group); a size the user set, under either name, wins."""
+    if BUFFER_VARIABLE in os.environ or NCCL_BUFFER_VARIABLE in os.environ:
+        return
+    os.environ[BUFFER_VARIABLE] = str(ENTRIES)
+    if torch.__version__ < (2, 8):  # a TorchVersion: it compares with a tuple
+        os.environ[NCCL_BUFFER_VARIABLE] = str(ENTRIES)
 
 
 def entries() -> list[dict[str, Any]]:
