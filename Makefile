@@ -18,18 +18,27 @@ WORKERS ?= 2
 # One venv for both commands, with a stamp per set of extras: `make demo` installs the core dependencies and
 # scikit-learn (the `recipes` extra, the digits data) and nothing else; `make test` adds the `dev` extras (pytest,
 # ray, mlflow, tensorboard, ...) to the same venv, also after a demo, since its own stamp is missing then.
+# pip byte-compiles what it installs on one core; compileall does the same on every core (77 against 104 s for torch
+# and the dev extras on 2 cores). Its exit status is ignored as pip ignores the same errors: a few packages ship
+# files for other Python versions.
+INSTALL := $(BIN)/pip install -q --no-compile
+COMPILE := $(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
+
 $(BIN)/.venv-base: Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(INSTALL) "$(TORCH_PIN)"
+	$(COMPILE)
 	touch $@
 
 $(BIN)/.installed-demo: $(BIN)/.venv-base pyproject.toml
-	$(BIN)/pip install -q -e ".[recipes]"
+	$(INSTALL) -e ".[recipes]"
+	$(COMPILE)
 	touch $@
 
 $(BIN)/.installed-dev: $(BIN)/.venv-base pyproject.toml
-	$(BIN)/pip install -q -e ".[dev]"
+	$(INSTALL) -e ".[dev]"
+	$(COMPILE)
 	touch $@
 
 setup: $(BIN)/.installed-dev

@@ -58,8 +58,12 @@ def run_ranks(main: Callable[[list[str]], object], world_size: int, arguments: l
                 rank.kill()
                 rank.join()
     failed = [index for index, rank in enumerate(ranks) if rank.exitcode != 0]
-    assert not failed, "\n".join(f"rank {index} ended with {ranks[index].exitcode}:\n"
-                                 f"{(logs / f'rank{index}.log').read_text()[-3000:]}" for index in failed)
+    assert not failed, "\n".join(f"rank {index} ended with {ranks[index].exitcode}:\n{_tail(logs / f'rank{index}.log')}"
+                                 for index in failed)
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:] if log.is_file() else "(it wrote nothing)"
 
 
 def _rank(main: Callable[[list[str]], object], arguments: list[str], rank: int, world_size: int, port: int,

@@ -229,7 +229,8 @@ def _stop_ray_cluster(temp_dir: Path, port: int) -> None:
 def ray_cluster():
     """`ray start --head` and a second `ray start --address` once per session, stopped at its end; a test that reads
     its address is skipped, saying why, where Ray is not installed or does not start."""
-    if importlib.util.find_spec("ray") is None:  # not imported: the launcher must be first to (it sets how Ray logs)
+    # Looked up, not imported: the launcher imports Ray first, as in `trainer fit`, once it has set how Ray logs.
+    if importlib.util.find_spec("ray") is None:
         pytest.skip("Ray is not installed (pip install -e '.[ray]')")
     # Short and under /tmp: Ray's socket paths must stay under the 107-byte limit of a Unix socket name.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
