@@ -31,8 +31,10 @@ def enable() -> None:
 def entries() -> list[dict[str, Any]]:
     """This process's recorded collectives, oldest first; none where torch keeps no record (turned off, or a build
     without it). torch keeps two records: NCCL's (its entries hold CUDA events) and every other backend's."""
-    import torch._C._distributed_c10d as c10d
-
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:  # a build without torch.distributed
+        return []
     recorded: list[dict[str, Any]] = []
     for dump in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):  # the first in CUDA builds only
         if not hasattr(c10d, dump):
